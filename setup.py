@@ -1,0 +1,58 @@
+"""Builds torchpp's C++ extensions against the installed torch.
+
+Three extension modules, one per layer of the architecture:
+  torchpp._C         torch.ops.torchpp (csrc/ops) and the pipeline runtime (csrc/runtime)
+  torchpp._schedule  the torch-free schedule compiler (csrc/schedule) behind pybind11
+  torchpp._plan      the torch-free partitioner and memory model (csrc/plan) behind pybind11
+
+Build with `pip install --no-build-isolation -e .` (build isolation would download
+another torch). TORCHPP_BUILD=schedule,plan limits a build to some modules, so the
+torch-free parts rebuild in seconds while the ops are untouched.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CXX_FLAGS = ["-O2", "-std=c++17", "-fvisibility=hidden"]
+
+
+def sources(*patterns):
+    found = []
+    for pattern in patterns:
+        found += sorted(glob.glob(os.path.join(ROOT, pattern)))
+    return [os.path.relpath(path, ROOT) for path in found]
+
+
+def extension(name, patterns):
+    return CppExtension(
+        name=f"torchpp.{name}",
+        sources=sources(*patterns),
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={"cxx": CXX_FLAGS},
+    )
+
+
+MODULES = {
+    "C": ["csrc/ops/*.cpp", "csrc/runtime/*.cpp", "csrc/bindings/c_module.cpp"],
+    "schedule": ["csrc/schedule/*.cpp", "csrc/bindings/schedule_module.cpp"],
+    "plan": ["csrc/plan/*.cpp", "csrc/bindings/plan_module.cpp"],
+}
+
+wanted = os.environ.get("TORCHPP_BUILD", ",".join(MODULES)).split(",")
+unknown = [name for name in wanted if name not in MODULES]
+if unknown:
+    raise SystemExit(f"TORCHPP_BUILD names unknown modules {unknown}; known: {sorted(MODULES)}")
+ext_modules = [extension(f"_{name}", MODULES[name]) for name in wanted if sources(*MODULES[name])]
+
+setup(
+    name="torchpp",
+    version="0.1.0",
+    description="PTD-P (pipeline x tensor x data) parallelism for PyTorch models",
+    packages=find_packages(include=["torchpp", "torchpp.*"]),
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+)
