@@ -1,0 +1,131 @@
+"""Spawned gloo ranks for distributed tests, with hard timeouts.
+
+A pool of `world_size` processes initialises torch.distributed once (gloo, FileStore) and
+then runs test functions on every rank. A function that fails or hangs on any rank fails
+the test with every rank's traceback; the pool is then torn down and respawned, so one
+broken test cannot poison the next.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List
+
+# Collectives that would hang become errors after this long (well under each test's timeout).
+COLLECTIVE_TIMEOUT_S = 45
+DEFAULT_TEST_TIMEOUT_S = 120
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    import torchpp  # noqa: F401
+
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, "ok", fn(*args, **kwargs)))
+        except BaseException:  # report everything, including assertion failures
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` spawned ranks that run test functions on demand."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="torchpp_ranks_")
+        init_file = os.path.join(self._dir.name, "store")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.healthy = True
+
+    def run(self, fn: Callable, *args, timeout: float = DEFAULT_TEST_TIMEOUT_S, **kwargs) -> List[Any]:
+        """Runs fn(*args, **kwargs) on every rank; returns the per-rank results in rank order."""
+        for tasks in self._tasks:
+            tasks.put((fn, args, kwargs))
+        deadline = time.monotonic() + timeout
+        outcomes = {}
+        while len(outcomes) < self.world_size:
+            remaining = deadline - time.monotonic()
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcomes]
+            if remaining <= 0 or dead:
+                self.healthy = False
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                errors = self._format_errors(outcomes)
+                reason = f"exited ({dead})" if dead else f"did not finish within {timeout:.0f}s (hang)"
+                raise AssertionError(f"{fn.__name__}: ranks {missing} {reason}\n{errors}")
+            try:
+                rank, status, value = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            outcomes[rank] = (status, value)
+        if any(status == "error" for status, _ in outcomes.values()):
+            self.healthy = False
+            raise AssertionError(f"{fn.__name__} failed:\n{self._format_errors(outcomes)}")
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    @staticmethod
+    def _format_errors(outcomes) -> str:
+        return "\n".join(
+            f"--- rank {rank} ---\n{value}" for rank, (status, value) in sorted(outcomes.items()) if status == "error"
+        )
+
+    def close(self) -> None:
+        if self.healthy:
+            for tasks in self._tasks:
+                tasks.put(None)
+            for proc in self._procs:
+                proc.join(timeout=10)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._dir.cleanup()
+
+
+class RankPools:
+    """One live pool at a time (the machine has 2 cores), respawned after a failure."""
+
+    def __init__(self):
+        self._pool: RankPool | None = None
+
+    def __call__(self, world_size: int) -> RankPool:
+        pool = self._pool
+        if pool is not None and (pool.world_size != world_size or not pool.healthy):
+            pool.close()
+            pool = None
+        if pool is None:
+            pool = self._pool = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

@@ -1,0 +1,101 @@
+"""Python entry points to torch.ops.torchpp's tensor/sequence-parallel mappings.
+
+The schemas, kernels and autograd live in C++ (csrc/ops). These wrappers only turn a
+``ProcessGroup`` (or ``None`` for the default group, or a group name) into the
+``group_name`` and ``group_size`` the ops take.
+
+| op                           | forward                    | backward                 |
+|------------------------------|----------------------------|--------------------------|
+| copy_to_tp_region (f)        | identity                   | all-reduce               |
+| reduce_from_tp_region (g)    | all-reduce                 | identity                 |
+| scatter_to_tp_region         | keep own slice along dim   | all-gather along dim     |
+| gather_from_tp_region        | all-gather along dim       | keep own slice           |
+| scatter_to_sp_region         | keep own sequence slice    | all-gather               |
+| gather_from_sp_region (g)    | all-gather along sequence  | reduce-scatter           |
+| reduce_scatter_to_sp_region  | reduce-scatter along seq.  | all-gather               |
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+import torchpp  # noqa: F401  (loads the extension that registers torch.ops.torchpp)
+
+GroupLike = Optional[Union[dist.ProcessGroup, str]]
+
+__all__ = [
+    "GroupLike",
+    "group_name_of",
+    "group_of",
+    "copy_to_tp_region",
+    "reduce_from_tp_region",
+    "scatter_to_tp_region",
+    "gather_from_tp_region",
+    "scatter_to_sp_region",
+    "gather_from_sp_region",
+    "reduce_scatter_to_sp_region",
+]
+
+
+def group_of(group: GroupLike) -> dist.ProcessGroup:
+    """Returns the ProcessGroup for a group, a group name, or None (the default group)."""
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("torchpp: torch.distributed is not initialized and no group was given")
+        return dist.group.WORLD
+    if isinstance(group, str):
+        try:
+            return _resolve_process_group(group)
+        except Exception as error:
+            raise ValueError(f"torchpp: unknown process group name {group!r}") from error
+    return group
+
+
+def group_name_of(group: GroupLike) -> str:
+    """Returns the name c10d registered the group under (what torch.ops.torchpp takes)."""
+    if isinstance(group, str):
+        return group
+    return group_of(group).group_name
+
+
+def copy_to_tp_region(input: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
+    """Megatron's f: identity forward, all-reduce of the gradient over ``group`` backward."""
+    return torch.ops.torchpp.copy_to_tp_region(input, group_name_of(group))
+
+
+def reduce_from_tp_region(input: torch.Tensor, group: GroupLike = None) -> torch.Tensor:
+    """Megatron's g: all-reduce (sum) over ``group`` forward, identity backward."""
+    return torch.ops.torchpp.reduce_from_tp_region(input, group_name_of(group))
+
+
+def _sized(op, input: torch.Tensor, group: GroupLike, dim: int) -> torch.Tensor:
+    resolved = group_of(group)
+    return op(input, resolved.group_name, resolved.size(), dim)
+
+
+def scatter_to_tp_region(input: torch.Tensor, group: GroupLike = None, dim: int = -1) -> torch.Tensor:
+    """Keeps this rank's slice of ``dim`` forward; all-gathers the gradient backward."""
+    return _sized(torch.ops.torchpp.scatter_to_tp_region, input, group, dim)
+
+
+def gather_from_tp_region(input: torch.Tensor, group: GroupLike = None, dim: int = -1) -> torch.Tensor:
+    """All-gathers along ``dim`` forward; keeps this rank's slice of the gradient backward."""
+    return _sized(torch.ops.torchpp.gather_from_tp_region, input, group, dim)
+
+
+def scatter_to_sp_region(input: torch.Tensor, group: GroupLike = None, dim: int = 0) -> torch.Tensor:
+    """Keeps this rank's sequence slice forward; all-gathers the gradient backward."""
+    return _sized(torch.ops.torchpp.scatter_to_sp_region, input, group, dim)
+
+
+def gather_from_sp_region(input: torch.Tensor, group: GroupLike = None, dim: int = 0) -> torch.Tensor:
+    """Sequence-parallel g: all-gathers the sequence forward; reduce-scatters the gradient backward."""
+    return _sized(torch.ops.torchpp.gather_from_sp_region, input, group, dim)
+
+
+def reduce_scatter_to_sp_region(input: torch.Tensor, group: GroupLike = None, dim: int = 0) -> torch.Tensor:
+    """Sequence-parallel g-bar: reduce-scatters along the sequence forward; all-gathers backward."""
+    return _sized(torch.ops.torchpp.reduce_scatter_to_sp_region, input, group, dim)

@@ -1,0 +1,23 @@
+"""Tensor-parallel layers (Megatron-LM) with optional sequence parallelism."""
+from torchpp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from torchpp.tensor_parallel.embedding import VocabParallelEmbedding
+from torchpp.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from torchpp.tensor_parallel.random import (
+    RNGStatesTracker,
+    get_rng_tracker,
+    model_parallel_manual_seed,
+)
+from torchpp.tensor_parallel.utils import allreduce_sequence_parallel_grads, divide, mark_sequence_parallel
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "RNGStatesTracker",
+    "get_rng_tracker",
+    "model_parallel_manual_seed",
+    "allreduce_sequence_parallel_grads",
+    "mark_sequence_parallel",
+    "divide",
+]

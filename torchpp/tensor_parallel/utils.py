@@ -1,0 +1,55 @@
+"""Small helpers shared by the tensor-parallel layers."""
+from __future__ import annotations
+
+import torch
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / denominator, raising a ValueError naming both when it does not divide."""
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ValueError(f"torchpp: {what}={numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def check_same_device(input: torch.Tensor, parameter: torch.Tensor, layer: str) -> None:
+    """Raises naming both devices when a layer's input is not where its parameters are."""
+    if input.device != parameter.device:
+        raise RuntimeError(
+            f"torchpp.{layer}: input is on device '{input.device}' but the layer's parameters are on "
+            f"'{parameter.device}'; move the input (or the layer) to the same device"
+        )
+
+
+def mark_tensor_parallel(param: torch.nn.Parameter, partition_dim: int, group_size: int) -> None:
+    """Records how a parameter is sharded (checkpointing and gradient-norm code read it)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+    param.tp_size = group_size
+
+
+def mark_sequence_parallel(module: torch.nn.Module) -> torch.nn.Module:
+    """Flags every parameter of `module` as replicated across TP ranks that see different
+    sequence slices (LayerNorm/RMSNorm in a sequence-parallel region): their gradients are
+    partial sums until `allreduce_sequence_parallel_grads` adds them up."""
+    for param in module.parameters():
+        param.sequence_parallel = True
+    return module
+
+
+def allreduce_sequence_parallel_grads(module: torch.nn.Module, group=None) -> None:
+    """Sums, over the TP group, the gradients of parameters flagged sequence_parallel.
+
+    Call once per optimizer step, after the last backward (Megatron's finalize_model_grads).
+    """
+    import torch.distributed as dist
+
+    from torchpp.ops import group_of
+
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group_of(group))
+    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(synced)
