@@ -1,0 +1,117 @@
+#include "schedule/generators.h"
+
+#include <functional>
+#include <algorithm>
+#include <map>
+
+#include "schedule/errors.h"
+#include "schedule/generators_impl.h"
+
+namespace torchpp::schedule {
+
+namespace {
+
+
+std::string values(const GenerateOptions& o) {
+  return "p=" + std::to_string(o.num_ranks) + ", m=" + std::to_string(o.num_microbatches) +
+         ", v=" + std::to_string(o.num_chunks);
+}
+
+// Schedules with a fixed number of stages per rank accept num_chunks=0 (default) or that number.
+void require_chunks(const std::string& name, const GenerateOptions& o, int chunks) {
+  if (o.num_chunks != 0 && o.num_chunks != chunks) {
+    constraint_error(name, "num_chunks == " + std::to_string(chunks) + " (stages per rank)", values(o));
+  }
+}
+
+using Generator = std::function<Schedule(const GenerateOptions&)>;
+
+const std::map<std::string, Generator>& registry() {
+  static const std::map<std::string, Generator> generators = {
+      {"gpipe", [](const GenerateOptions& o) {
+         require_chunks("gpipe", o, 1);
+         return detail::gpipe(o.num_ranks, o.num_microbatches);
+       }},
+      {"1f1b", [](const GenerateOptions& o) {
+         require_chunks("1f1b", o, 1);
+         return detail::one_f_one_b(o.num_ranks, o.num_microbatches);
+       }},
+      {"eager-1f1b", [](const GenerateOptions& o) {
+         require_chunks("eager-1f1b", o, 1);
+         return detail::eager_one_f_one_b(o.num_ranks, o.num_microbatches);
+       }},
+      {"interleaved-1f1b", [](const GenerateOptions& o) {
+         int v = o.num_chunks ? o.num_chunks : 2;
+         int m = o.num_microbatches;
+         int group = o.microbatch_group_size;
+         if (group == 0) {  // Megatron's p when it divides m, else the next divisor of m above p
+           group = std::min(o.num_ranks, m);
+           while (m % group) group++;
+         }
+         // Smaller groups make rank 0 wait on its own microbatches and the 1F1B order deadlocks.
+         if (group < std::min(o.num_ranks, m) || m % group) {
+           constraint_error("interleaved-1f1b", "microbatch_group_size dividing m and >= min(p, m)",
+                            values(o) + ", microbatch_group_size=" + std::to_string(group));
+         }
+         return detail::interleaved_1f1b(o.num_ranks, o.num_microbatches, v, group);
+       }},
+      {"looped-bfs", [](const GenerateOptions& o) {
+         return detail::looped_bfs(o.num_ranks, o.num_microbatches, o.num_chunks ? o.num_chunks : 2);
+       }},
+      {"zb-h1", [](const GenerateOptions& o) {
+         require_chunks("zb-h1", o, 1);
+         return detail::zb_h1(o.num_ranks, o.num_microbatches);
+       }},
+      {"zb-h2", [](const GenerateOptions& o) {
+         require_chunks("zb-h2", o, 1);
+         return detail::zb_h2(o.num_ranks, o.num_microbatches);
+       }},
+      {"zb-auto", [](const GenerateOptions& o) {
+         require_chunks("zb-auto", o, 1);
+         double limit = o.memory_limit > 0 ? o.memory_limit : o.num_ranks;
+         if (limit < 1) constraint_error("zb-auto", "memory_limit >= 1 (one activation in flight per rank)", "memory_limit=" + std::to_string(limit));
+         return detail::zb_auto(o.num_ranks, o.num_microbatches, o.costs, limit);
+       }},
+      {"zb-v", [](const GenerateOptions& o) {
+         require_chunks("zb-v", o, 2);
+         double limit = o.memory_limit > 0 ? o.memory_limit : 2.0 * o.num_ranks;
+         if (limit < 2) constraint_error("zb-v", "memory_limit >= 2 (both stages of a rank in flight)", "memory_limit=" + std::to_string(limit));
+         return detail::zb_v(o.num_ranks, o.num_microbatches, o.costs, limit);
+       }},
+      {"dualpipe", [](const GenerateOptions& o) {
+         require_chunks("dualpipe", o, 2);
+         if (o.num_ranks % 2) constraint_error("dualpipe", "an even number of ranks p", values(o));
+         if (o.num_microbatches % 2) constraint_error("dualpipe", "an even number of microbatches m (half enter at each end)", values(o));
+         if (o.num_microbatches < 2 * o.num_ranks) constraint_error("dualpipe", "m >= 2p", values(o));
+         return detail::dualpipe(o.num_ranks, o.num_microbatches);
+       }},
+      {"dualpipe-v", [](const GenerateOptions& o) {
+         require_chunks("dualpipe-v", o, 2);
+         if (o.num_microbatches < 2 * o.num_ranks) constraint_error("dualpipe-v", "m >= 2p (p = ranks)", values(o));
+         return detail::dualpipe_v(o.num_ranks, o.num_microbatches);
+       }},
+  };
+  return generators;
+}
+
+}  // namespace
+
+std::vector<std::string> schedule_names() {
+  return {"gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1",
+          "zb-h2", "zb-auto", "zb-v", "dualpipe", "dualpipe-v"};
+}
+
+Schedule generate(const std::string& name, const GenerateOptions& o) {
+  auto it = registry().find(name);
+  if (it == registry().end()) {
+    std::string known;
+    for (const auto& n : schedule_names()) known += (known.empty() ? "" : ", ") + n;
+    throw std::invalid_argument("unknown schedule '" + name + "'; known: " + known);
+  }
+  if (o.num_ranks < 1) constraint_error(name, "num_ranks >= 1", values(o));
+  if (o.num_microbatches < 1) constraint_error(name, "num_microbatches >= 1", values(o));
+  if (o.num_chunks < 0) constraint_error(name, "num_chunks >= 1", values(o));
+  return it->second(o);
+}
+
+}  // namespace torchpp::schedule

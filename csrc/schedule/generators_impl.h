@@ -1,0 +1,27 @@
+// One function per schedule family; generate() in generators.cpp checks names and options.
+#pragma once
+
+#include "schedule/generators.h"
+
+namespace torchpp::schedule::detail {
+
+// Single stage per rank, built from warm-up forwards, 1F1B steady state and cooldown.
+Schedule gpipe(int p, int m);
+Schedule one_f_one_b(int p, int m);
+Schedule eager_one_f_one_b(int p, int m);
+Schedule zb_h1(int p, int m);
+Schedule zb_h2(int p, int m);
+
+// v stages per rank, stage c*p + r on rank r.
+Schedule interleaved_1f1b(int p, int m, int v, int group_size);
+Schedule looped_bfs(int p, int m, int v);
+
+// Cost- and memory-aware list scheduling (greedy.cpp), searched over its hyperparameters.
+Schedule zb_auto(int p, int m, const Costs& costs, double memory_limit);
+Schedule zb_v(int p, int m, const Costs& costs, double memory_limit);
+
+// DeepSeek's bidirectional schedules.
+Schedule dualpipe(int p, int m);
+Schedule dualpipe_v(int p, int m);
+
+}  // namespace torchpp::schedule::detail
