@@ -1,0 +1,161 @@
+"""The Schedule object and the functions that make one (generators and CSV import)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence, Union
+
+from torchpp import _schedule
+
+ScheduleError = _schedule.ScheduleError
+SCHEDULES: tuple[str, ...] = tuple(_schedule.schedule_names())
+
+
+class Costs(NamedTuple):
+    """Per-stage, per-microbatch pass costs (any time unit); B costs ``i + w``.
+
+    Args:
+        f: forward.
+        i: backward for inputs (the zero-bubble paper's "B").
+        w: backward for weights.
+        comm: latency of one transfer between stages on different ranks.
+    """
+
+    f: float = 1.0
+    i: float = 1.0
+    w: float = 1.0
+    comm: float = 0.0
+
+
+CostsLike = Union[Costs, Sequence[float], dict, None]
+
+
+def as_costs(costs: CostsLike) -> Costs:
+    """Reads ``Costs``, ``(F, I, W[, comm])`` or ``{"f":, "i":, "w":, "comm":}``; None gives unit costs."""
+    if costs is None:
+        return Costs()
+    if isinstance(costs, Costs):
+        return costs
+    if isinstance(costs, dict):
+        unknown = set(costs) - set(Costs._fields)
+        if unknown:
+            raise ValueError(f"unknown cost keys {sorted(unknown)}; expected {Costs._fields}")
+        return Costs(**{k: float(v) for k, v in costs.items()})
+    values = [float(c) for c in costs]
+    if len(values) not in (3, 4):
+        raise ValueError(f"costs take (F, I, W) or (F, I, W, comm), got {len(values)} values: {values}")
+    return Costs(*values)
+
+
+class Schedule:
+    """Per-rank ordered actions of a pipeline schedule, plus its stage placement.
+
+    Stage ``s`` runs on rank ``stage_to_rank[s]``. DualPipe has two pipelines
+    (``num_pipelines == 2``): stages ``0..p-1`` carry microbatches ``[0, m/2)`` from rank 0
+    to rank p-1 and stages ``p..2p-1`` carry ``[m/2, m)`` back; stage ``p+k`` duplicates the
+    parameters of stage ``k`` (``model_stage``). See csrc/schedule/ir.h.
+    """
+
+    def __init__(self, native: _schedule.Schedule):
+        self._native = native
+
+    name = property(lambda self: self._native.name)
+    num_ranks = property(lambda self: self._native.num_ranks)
+    num_stages = property(lambda self: self._native.num_stages)
+    num_microbatches = property(lambda self: self._native.num_microbatches)
+    num_pipelines = property(lambda self: self._native.num_pipelines)
+    stage_to_rank = property(lambda self: list(self._native.stage_to_rank))
+    is_lowered = property(lambda self: self._native.is_lowered)
+
+    def actions(self, rank: int) -> list[str]:
+        """Action strings of ``rank`` in execution order ("0F3", "1SEND_F3", ...).
+
+        Args:
+            rank: pipeline rank in ``[0, num_ranks)``.
+        """
+        return self._native.actions(rank)
+
+    def lowered(self) -> "Schedule":
+        """This schedule with SEND/RECV actions at every cross-rank stage boundary."""
+        return Schedule(self._native.lowered())
+
+    def compute_only(self) -> "Schedule":
+        """This schedule without its SEND/RECV actions."""
+        return Schedule(self._native.compute_only())
+
+    def model_stage(self, stage: int) -> int:
+        """The stage whose parameters ``stage`` holds (differs only for DualPipe's pipeline 1)."""
+        return self._native.model_stage(stage)
+
+    def validate(self) -> None:
+        """Raises ScheduleError (with the rank x step grid, offending step marked) if invalid."""
+        self._native.validate()
+
+    def grid(self, max_steps: int = 0) -> str:
+        """ASCII grid, one row per rank, one column per step.
+
+        Args:
+            max_steps: cut the grid after this many steps; 0 shows all.
+        """
+        return self._native.grid(max_steps)
+
+    def to_csv(self, path: str) -> None:
+        """Writes torch.distributed.pipelining's CSV: one row per rank, one action per cell.
+
+        Args:
+            path: file to write.
+        """
+        with open(path, "w", newline="") as f:
+            f.write(self._native.to_csv())
+
+    def __repr__(self) -> str:
+        kind = "lowered " if self.is_lowered else ""
+        return (f"Schedule({self.name!r}, {kind}num_ranks={self.num_ranks}, num_stages={self.num_stages}, "
+                f"num_microbatches={self.num_microbatches})")
+
+
+def generate(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    num_chunks: int | None = None,
+    costs: CostsLike = None,
+    memory_limit: float | None = None,
+    microbatch_group_size: int | None = None,
+) -> Schedule:
+    """Builds schedule ``name`` (one of ``SCHEDULES``).
+
+    Args:
+        name: gpipe, 1f1b, eager-1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-auto,
+            zb-v, dualpipe or dualpipe-v.
+        num_ranks: pipeline ranks p.
+        num_microbatches: microbatches per step m.
+        num_chunks: stages per rank v (interleaved-1f1b and looped-bfs, default 2; schedules
+            with a fixed count accept only that count).
+        costs: ``Costs``, ``(F, I, W[, comm])`` or a dict; used by zb-auto and zb-v.
+        memory_limit: zb-auto / zb-v: most activations (microbatch-stages between F and I) a
+            rank may hold; default p for zb-auto and 2p for zb-v.
+        microbatch_group_size: interleaved-1f1b: microbatches per depth-first group; must
+            divide m and be >= min(p, m); default p, or the next divisor of m above p.
+
+    Raises:
+        ValueError: the schedule cannot serve (p, m, v); the message names the constraint.
+    """
+    c = as_costs(costs)
+    return Schedule(_schedule.generate(
+        name, num_ranks, num_microbatches, num_chunks or 0, c.f, c.i, c.w, c.comm,
+        memory_limit or 0.0, microbatch_group_size or 0))
+
+
+def from_csv(path: str, num_ranks: int, num_microbatches: int, num_pipelines: int | None = None) -> Schedule:
+    """Reads and validates a schedule in torch.distributed.pipelining's CSV format.
+
+    Args:
+        path: CSV file, one row per rank (compute-only or with SEND/RECV).
+        num_ranks: pipeline ranks p.
+        num_microbatches: microbatches m.
+        num_pipelines: 2 for DualPipe; None infers it from which microbatches stage 0 runs.
+    """
+    with open(path, newline="") as f:
+        text = f.read()
+    schedule = Schedule(_schedule.from_csv(text, num_ranks, num_microbatches, num_pipelines or 0))
+    schedule.validate()
+    return schedule
