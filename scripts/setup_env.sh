@@ -17,10 +17,20 @@ if ! "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_
   "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" transformers tqdm matplotlib ninja pytest pytest-timeout
 fi
 
-if command -v ccache >/dev/null 2>&1; then
-  export CXX="${CXX:-ccache c++}"
+# ccache through a one-line wrapper: torch's ninja writer takes CXX as a single program.
+if [ -z "${CXX:-}" ] && command -v ccache >/dev/null 2>&1; then
+  mkdir -p "$TORCHPP_ROOT/build/ccache"
+  printf '#!/bin/sh\nexec ccache %s "$@"\n' "$(command -v c++)" >"$TORCHPP_ROOT/build/ccache/c++"
+  chmod +x "$TORCHPP_ROOT/build/ccache/c++"
+  export CXX="$TORCHPP_ROOT/build/ccache/c++"
 fi
 export MAX_JOBS="${MAX_JOBS:-2}"
-(cd "$TORCHPP_ROOT" && "$PYTHON" setup.py -q build_ext --inplace >/dev/null)
+build_log="$TORCHPP_ROOT/build/build_ext.log"
+mkdir -p "$TORCHPP_ROOT/build"
+if ! (cd "$TORCHPP_ROOT" && "$PYTHON" setup.py -q build_ext --inplace >"$build_log" 2>&1); then
+  grep -E "error|Error" "$build_log" | head -40 >&2
+  echo "torchpp: building the C++ extension failed; full log: $build_log" >&2
+  exit 1
+fi
 
 export PYTHONPATH="$TORCHPP_ROOT${PYTHONPATH:+:$PYTHONPATH}"
