@@ -14,36 +14,46 @@ namespace torchpp::schedule::detail {
 namespace {
 
 // Objective: the longest rank span (the iteration time when iterations tile back to back, what
-// the bubble ratio measures), then the single-iteration makespan, then peak activations.
+// the bubble ratio measures), then the single-iteration makespan, then peak activations, then
+// peak pending W's.
 struct Best {
   Schedule schedule;
   double span = std::numeric_limits<double>::infinity();
   double makespan = std::numeric_limits<double>::infinity();
   int peak = std::numeric_limits<int>::max();
+  int peak_w = std::numeric_limits<int>::max();
 
   void offer(Schedule candidate, const Costs& costs) {
     Simulation sim = simulate(candidate, costs);
     double span_here = 0.0;
     for (size_t r = 0; r < sim.span_end.size(); r++) span_here = std::max(span_here, sim.span_end[r] - sim.span_start[r]);
     int peak_here = *std::max_element(sim.peak_activations.begin(), sim.peak_activations.end());
+    int peak_w_here = *std::max_element(sim.peak_weight_pending.begin(), sim.peak_weight_pending.end());
     constexpr double kTie = 1e-9;
     auto key_less = [&]() {
       if (std::abs(span_here - span) > kTie) return span_here < span;
       if (std::abs(sim.makespan - makespan) > kTie) return sim.makespan < makespan;
-      return peak_here < peak;
+      if (peak_here != peak) return peak_here < peak;
+      return peak_w_here < peak_w;
     };
     if (key_less()) {
       span = span_here;
       makespan = sim.makespan;
       peak = peak_here;
+      peak_w = peak_w_here;
       schedule = std::move(candidate);
     }
   }
 };
 
+// Caps on deferred W's tried besides "none": one per stage held, and one per microbatch-stage
+// the activation limit admits (the paper's 1F-1I-1W steady state keeps few W's pending).
 void search(Best& best, const Schedule& skeleton, const Costs& costs, double memory_limit) {
+  int stages_per_rank = skeleton.num_stages / skeleton.num_ranks;
+  for (int cap : {1 << 30, stages_per_rank, static_cast<int>(memory_limit)})
   for (int bits = 0; bits < 8; bits++) {
     GreedyPolicy policy;
+    policy.max_pending_weights = std::max(cap, 1);
     policy.memory_limit = memory_limit;
     policy.forward_may_delay_backward = bits & 1;
     policy.weight_fills_short_gaps = bits & 2;

@@ -84,6 +84,12 @@ class ListScheduler {
   }
 
   void try_start(int r, double now) {
+    if (static_cast<int>(pending_w_[r].size()) >= policy_.max_pending_weights) {
+      Action w = pending_w_[r].front();  // weight-gradient memory is full: free some first
+      pending_w_[r].pop_front();
+      emit(r, now, w);
+      return;
+    }
     // Candidate backward (I): earliest ready, then oldest microbatch, then deepest stage.
     int i_stage = -1;
     double i_ready = kNever, i_known = kNever;

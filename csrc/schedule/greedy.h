@@ -18,6 +18,8 @@ struct GreedyPolicy {
   bool weight_fills_short_gaps = true;
   // When a stage is more than one F ahead of the next stage, prefer a pending W over the F.
   bool skip_forward_when_ahead = false;
+  // Most deferred W's (M_W each) a rank may hold; a W runs first once this many are pending.
+  int max_pending_weights = 1 << 30;
 };
 
 // Fills `skeleton` (placement set, one pipeline, empty action lists) with I/W-split actions.
