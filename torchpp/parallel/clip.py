@@ -1,0 +1,83 @@
+"""Gradient clipping by the global norm over dp x pp x tp, each gradient element counted once.
+
+Parameters sharded by TP (tensor_model_parallel) contribute their shard on every TP rank;
+parameters replicated over TP (norms, row-parallel biases) hold the same gradient on every
+TP rank, so only TP rank 0 counts them. Pipeline stages hold disjoint parameters. Without
+ZeRO the data-parallel replicas hold identical (already averaged) gradients, so the sum runs
+over the model-parallel group (pp x tp); with ZeRO-1 each DP rank holds a disjoint shard, so
+it runs over the whole world.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _counted_here(param: torch.Tensor, tp_rank: int) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def global_grad_norm(
+    grads_and_params: Iterable[Tuple[torch.Tensor, torch.Tensor]],
+    tp_rank: int,
+    group: Optional[dist.ProcessGroup],
+) -> torch.Tensor:
+    """sqrt(sum of squares) of the gradients over `group`, each element counted once.
+
+    Args:
+        grads_and_params: (gradient, owning model parameter) pairs held by this rank.
+        tp_rank: this rank's TP rank (replicated parameters count on TP rank 0 only).
+        group: the group to sum over (model-parallel group, or the world under ZeRO-1).
+    """
+    total = None
+    for grad, param in grads_and_params:
+        if grad is None or not _counted_here(param, tp_rank):
+            continue
+        squared = grad.detach().float().pow(2).sum()
+        total = squared if total is None else total + squared
+    if total is None:
+        total = torch.zeros((), dtype=torch.float32)
+    total = total.to(torch.float64)
+    if group is not None and group.size() > 1:
+        dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_grads_(grads: List[torch.Tensor], total_norm: torch.Tensor, max_norm: float, eps: float = 1e-6) -> None:
+    """Scales `grads` in place by min(1, max_norm / (total_norm + eps)), like torch's clip_grad_norm_."""
+    scale = (max_norm / (total_norm + eps)).clamp(max=1.0)
+    for grad in grads:
+        if grad is not None:
+            grad.mul_(scale.to(grad.dtype))
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    state=None,
+    zero_optimizer=None,
+) -> torch.Tensor:
+    """Clips gradients by the global norm across dp x pp x tp; returns the norm (before clipping).
+
+    Args:
+        parameters: this rank's model parameters (ignored with zero_optimizer, whose shards are used).
+        max_norm: the largest allowed global norm.
+        state: the ParallelState (default: torchpp.parallel.get_parallel_state()).
+        zero_optimizer: a ZeroRedundancyOptimizer whose gradients were reduce-scattered
+            (call its reduce_scatter_grads() first, then step(grads_reduced=True)).
+    """
+    from torchpp.parallel.groups import get_parallel_state
+
+    state = state or get_parallel_state()
+    if zero_optimizer is not None:
+        pairs = [(s.shard_view.grad, s.param) for s in zero_optimizer.segments]
+        group = dist.group.WORLD if dist.get_world_size() > 1 else None
+    else:
+        pairs = [(p.grad, p) for p in parameters]
+        group = state.model_parallel_group
+    total = global_grad_norm(pairs, state.tp_rank, group)
+    clip_grads_([g for g, _ in pairs], total, max_norm)
+    return total

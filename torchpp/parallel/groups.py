@@ -1,0 +1,162 @@
+"""Process groups for dp x pp x tp, built from torchrun's environment.
+
+Ranks are laid out with the first name of `order` varying fastest. Megatron's default,
+"tp-dp-pp", keeps a TP group on consecutive ranks (inside one node, where the bandwidth is)
+and puts pipeline stages furthest apart (across nodes). The groups come from one
+`torch.distributed.device_mesh.DeviceMesh` with dims ("pp", "dp", "tp"), so torchpp and
+DTensor-based code share the same communicators.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIMS = ("pp", "dp", "tp")
+DEFAULT_ORDER = "tp-dp-pp"
+
+
+@dataclass
+class ParallelState:
+    """This rank's place in the dp x pp x tp layout and the groups that serve it."""
+
+    tp: int
+    pp: int
+    dp: int
+    order: str
+    mesh: DeviceMesh
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    # Ranks with this rank's dp coordinate: everything one model replica spans (for norms).
+    model_parallel_group: dist.ProcessGroup
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def groups(self) -> Dict[str, dist.ProcessGroup]:
+        return {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group, "mp": self.model_parallel_group}
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def rank_grid(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> torch.Tensor:
+    """The [pp, dp, tp] tensor of global ranks for a layout whose `order` lists dims fastest first."""
+    names = order.split("-")
+    if sorted(names) != sorted(MESH_DIMS):
+        raise ValueError(f"torchpp: order {order!r} must name each of tp, dp, pp once, fastest first (e.g. 'tp-dp-pp')")
+    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    strides, stride = {}, 1
+    for name in names:
+        strides[name] = stride
+        stride *= sizes[name]
+    p, d, t = torch.meshgrid(torch.arange(pp), torch.arange(dp), torch.arange(tp), indexing="ij")
+    return p * strides["pp"] + d * strides["dp"] + t * strides["tp"]
+
+
+def _validate(world: int, tp: int, pp: int, dp: Optional[int], num_heads, num_layers) -> int:
+    for name, value in (("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise ValueError(f"torchpp: {name}={value} must be at least 1")
+    if world % (tp * pp):
+        raise ValueError(f"torchpp: world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
+    inferred = world // (tp * pp)
+    if dp is None:
+        dp = inferred
+    if tp * pp * dp != world:
+        raise ValueError(f"torchpp: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not equal the world size {world}")
+    if num_heads is not None and (tp > num_heads or num_heads % tp):
+        raise ValueError(f"torchpp: tp={tp} must divide the number of attention heads {num_heads}")
+    if num_layers is not None and pp > num_layers:
+        raise ValueError(f"torchpp: pp={pp} is larger than the number of layers {num_layers}")
+    return dp
+
+
+def _default_device() -> torch.device:
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.accelerator.device_count()
+        torch.accelerator.set_device_index(index)
+        return torch.device(accelerator.type, index)
+    return torch.device("cpu")
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    dp: Optional[int] = None,
+    *,
+    order: str = DEFAULT_ORDER,
+    backend: Optional[str] = None,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+    num_heads: Optional[int] = None,
+    num_layers: Optional[int] = None,
+) -> ParallelState:
+    """Initialises torch.distributed (from torchrun's environment, if not yet done) and the
+    dp x pp x tp groups.
+
+    Args:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        dp: data-parallel size; inferred as world_size / (tp * pp) when None.
+        order: dims from fastest- to slowest-varying rank, default "tp-dp-pp" (Megatron's).
+        backend: process group backend; default nccl on CUDA, gloo otherwise.
+        timeout: collective timeout, after which a would-be hang raises.
+        num_heads: when given, checked to be divisible by tp.
+        num_layers: when given, checked to be at least pp.
+
+    Returns:
+        The ParallelState, also available later from get_parallel_state().
+    """
+    global _STATE
+    device = _default_device()
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = _validate(world, tp, pp, dp, num_heads, num_layers)
+    grid = rank_grid(tp, pp, dp, order)
+    mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_DIMS)
+    where = (grid == rank).nonzero()[0].tolist()
+    pp_rank, dp_rank, tp_rank = where
+    # One group per dp coordinate spanning pp x tp: every rank of one model replica.
+    model_parallel_group = None
+    for d in range(dp):
+        group = dist.new_group(sorted(grid[:, d, :].flatten().tolist()))
+        if d == dp_rank:
+            model_parallel_group = group
+    _STATE = ParallelState(
+        tp=tp, pp=pp, dp=dp, order=order, mesh=mesh,
+        tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
+        model_parallel_group=model_parallel_group,
+        tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device,
+    )
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    """The state built by init_parallel (raises when it was not called)."""
+    if _STATE is None:
+        raise RuntimeError("torchpp: call torchpp.init_parallel(tp=, pp=, dp=) first")
+    return _STATE
+
+
+def stage_ranks(state: ParallelState) -> List[int]:
+    """Global ranks of this rank's pipeline group, in stage order."""
+    return dist.get_process_group_ranks(state.pp_group)

@@ -1,0 +1,160 @@
+"""ZeRO stage 1: optimizer state sharded over the data-parallel group.
+
+Parameters (per dtype) are packed into one flat buffer padded to a multiple of the DP size;
+each model parameter and its .grad become views of flat buffers. A step reduce-scatters the
+gradients (each rank receives the average of its 1/dp shard), runs the wrapped optimizer on
+the shard only, and all-gathers the updated parameters. The optimizer sees, for every model
+parameter that overlaps this rank's shard, one leaf tensor viewing that overlap, so any
+per-parameter torch.optim optimizer works, param groups (e.g. no weight decay for norms)
+included, and its state is 1/dp of the unsharded state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class _Segment:
+    param: torch.nn.Parameter  # the model parameter
+    shard_view: torch.nn.Parameter  # the optimizer's leaf: a view of this rank's part of it
+    flat_lo: int
+    flat_hi: int
+
+
+class _FlatGroup:
+    """All parameters of one dtype/device, packed into flat parameter and gradient buffers."""
+
+    def __init__(self, params: List[torch.nn.Parameter], dp_size: int, dp_rank: int):
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // dp_size) * dp_size
+        dtype, device = params[0].dtype, params[0].device
+        self.params = params
+        self.flat_param = torch.zeros(padded, dtype=dtype, device=device)
+        self.flat_grad = torch.zeros(padded, dtype=dtype, device=device)
+        self.shard_size = padded // dp_size
+        self.shard_lo = dp_rank * self.shard_size
+        self.grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
+        self.offsets = {}
+        offset = 0
+        for param in params:
+            n = param.numel()
+            self.flat_param[offset : offset + n].copy_(param.detach().reshape(-1))
+            param.data = self.flat_param[offset : offset + n].view_as(param)
+            param.grad = self.flat_grad[offset : offset + n].view_as(param)
+            self.offsets[id(param)] = (offset, offset + n)
+            offset += n
+
+    def segments(self) -> List[_Segment]:
+        lo, hi = self.shard_lo, self.shard_lo + self.shard_size
+        segments = []
+        for param in self.params:
+            start, end = self.offsets[id(param)]
+            a, b = max(start, lo), min(end, hi)
+            if a >= b:
+                continue
+            view = torch.nn.Parameter(self.flat_param[a:b], requires_grad=True)  # shares storage
+            view.grad = self.grad_shard[a - lo : b - lo]
+            segments.append(_Segment(param, view, a, b))
+        return segments
+
+    def restore_grad_views(self) -> None:
+        for param in self.params:
+            start, end = self.offsets[id(param)]
+            param.grad = self.flat_grad[start:end].view_as(param)
+
+
+class ZeroRedundancyOptimizer:
+    """Wraps a torch.optim optimizer class so its state is sharded over `dp_group` (ZeRO-1).
+
+    Args:
+        params: model parameters, or param-group dicts as for any torch.optim optimizer.
+        optimizer_class: e.g. torch.optim.AdamW; must update each parameter independently.
+        dp_group: the data-parallel ProcessGroup.
+        **defaults: the optimizer's keyword arguments (lr, weight_decay, ...).
+
+    Use as an optimizer: loss.backward(); opt.step(); opt.zero_grad(). step() does the
+    reduce-scatter (averaging over dp) and the all-gather itself: do not all-reduce gradients
+    before it.
+    """
+
+    def __init__(self, params: Iterable, optimizer_class: Callable[..., torch.optim.Optimizer], dp_group, **defaults):
+        self.dp_group = dp_group
+        self.dp_size, self.dp_rank = dp_group.size(), dist.get_rank(dp_group)
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        all_params: List[torch.nn.Parameter] = []
+        options_of: Dict[int, Dict[str, Any]] = {}
+        for group in groups:
+            for param in group["params"]:
+                if param.requires_grad and id(param) not in options_of:
+                    all_params.append(param)
+                    options_of[id(param)] = {k: v for k, v in group.items() if k != "params"}
+        by_kind: Dict[tuple, List[torch.nn.Parameter]] = {}
+        for param in all_params:
+            by_kind.setdefault((param.dtype, param.device), []).append(param)
+        self.flat_groups = [_FlatGroup(ps, self.dp_size, self.dp_rank) for ps in by_kind.values()]
+        self.segments: List[_Segment] = [s for g in self.flat_groups for s in g.segments()]
+
+        # One optimizer param group per distinct option set, holding this rank's segments.
+        opt_groups: List[Dict[str, Any]] = []
+        for segment in self.segments:
+            options = options_of[id(segment.param)]
+            for group in opt_groups:
+                if {k: v for k, v in group.items() if k != "params"} == options:
+                    group["params"].append(segment.shard_view)
+                    break
+            else:
+                opt_groups.append({"params": [segment.shard_view], **options})
+        if not opt_groups:  # a rank whose shard holds only padding still needs a valid optimizer
+            placeholder = torch.nn.Parameter(torch.zeros(0, dtype=all_params[0].dtype, device=all_params[0].device))
+            placeholder.grad = torch.zeros_like(placeholder)
+            opt_groups = [{"params": [placeholder]}]
+        self.optimizer = optimizer_class(opt_groups, **defaults)
+        self.param_groups = self.optimizer.param_groups
+
+    def reduce_scatter_grads(self) -> None:
+        """Each rank receives the DP-average of its shard of the gradients."""
+        for flat in self.flat_groups:
+            dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=self.dp_group)
+            flat.grad_shard.div_(self.dp_size)
+
+    def shard_grads(self) -> List[torch.Tensor]:
+        """This rank's reduced gradient shards (after reduce_scatter_grads)."""
+        return [s.shard_view.grad for s in self.segments]
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grads_reduced: bool = False):
+        if not grads_reduced:
+            self.reduce_scatter_grads()
+        loss = self.optimizer.step(closure)
+        for flat in self.flat_groups:
+            shard = flat.flat_param[flat.shard_lo : flat.shard_lo + flat.shard_size].clone()
+            dist.all_gather_single(flat.flat_param, shard, group=self.dp_group)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        del set_to_none  # gradients are views of flat buffers and must stay allocated
+        for flat in self.flat_groups:
+            flat.flat_grad.zero_()
+            flat.grad_shard.zero_()
+            flat.restore_grad_views()
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (what ZeRO-1 divides by dp)."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    total += value.numel() * value.element_size()
+        return total
