@@ -36,7 +36,7 @@ def extension(name, patterns):
 
 
 MODULES = {
-    "C": ["csrc/ops/*.cpp", "csrc/runtime/*.cpp", "csrc/bindings/c_module.cpp"],
+    "C": ["csrc/ops/*.cpp", "csrc/runtime/*.cpp", "csrc/schedule/ir.cpp", "csrc/schedule/trace.cpp", "csrc/bindings/c_module.cpp"],
     "schedule": ["csrc/schedule/*.cpp", "csrc/bindings/schedule_module.cpp"],
     "plan": ["csrc/plan/*.cpp", "csrc/bindings/plan_module.cpp"],
 }

@@ -1,8 +1,135 @@
-// torchpp._C: importing it runs the static TORCH_LIBRARY registrations of csrc/ops.
-// No pybind11 here: the ops reach Python through torch.ops.torchpp.
-#include <Python.h>
+// torchpp._C: importing it runs the static TORCH_LIBRARY registrations of csrc/ops, and binds
+// the pipeline runtime (csrc/runtime) and the weight-gradient store of the split B/W linear.
+// The only file that includes torch/extension.h (it is slow to compile).
+#include <torch/extension.h>
 
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+#include "ops/split_linear_store.h"
+#include "runtime/executor.h"
+#include "runtime/failure.h"
+#include "schedule/trace.h"
+
+namespace py = pybind11;
+using namespace torchpp;
+
+namespace {
+
+py::object pipeline_error;
+py::object pipeline_shape_error;
+
+runtime::FailureKind kind_of(py::error_already_set& error) {
+  return error.matches(pipeline_shape_error) ? runtime::FailureKind::Shape : runtime::FailureKind::Generic;
+}
+
+// Calls the Python stage callback with the GIL; a Python exception becomes a PipelineFailure
+// carrying its message, raised here while the GIL is still held.
+runtime::ForwardFn python_forward(py::function fn) {
+  auto shared = std::make_shared<py::function>(std::move(fn));
+  return [shared](int64_t stage, int64_t microbatch, const at::Tensor& input) -> at::Tensor {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object out = (*shared)(stage, microbatch, input.defined() ? py::cast(input) : py::none());
+      if (!THPVariable_Check(out.ptr())) {
+        throw runtime::PipelineFailure(runtime::FailureKind::Generic,
+                                       "stage " + std::to_string(stage) + " returned a " +
+                                           std::string(py::str(py::type::of(out).attr("__name__"))) +
+                                           " for microbatch " + std::to_string(microbatch) +
+                                           "; a pipeline stage must return one Tensor");
+      }
+      return THPVariable_Unpack(out.ptr());
+    } catch (py::error_already_set& error) {
+      throw runtime::PipelineFailure(kind_of(error), error.what());
+    }
+  };
+}
+
+std::unique_ptr<runtime::Executor> make_executor(
+    int rank, std::vector<std::string> actions, std::vector<int> stage_to_rank, int stages_per_pipeline,
+    std::string pp_group, std::string tp_group, int64_t tp_rank, int64_t tp_size, bool scatter_gather,
+    std::vector<std::string> abort_groups, c10::Device device, std::map<int, at::Tensor> expected_inputs,
+    py::function forward) {
+  runtime::ExecutorConfig config;
+  config.rank = rank;
+  config.actions = std::move(actions);
+  config.stage_to_rank = std::move(stage_to_rank);
+  config.stages_per_pipeline = stages_per_pipeline;
+  config.pp_group = std::move(pp_group);
+  config.tp_group = std::move(tp_group);
+  config.tp_rank = tp_rank;
+  config.tp_size = tp_size;
+  config.scatter_gather = scatter_gather;
+  config.abort_groups = std::move(abort_groups);
+  config.device = device;
+  for (const auto& [stage, example] : expected_inputs) {
+    config.expected_inputs[stage] = runtime::TensorMeta::of(example);
+  }
+  return std::make_unique<runtime::Executor>(std::move(config), python_forward(std::move(forward)));
+}
+
+// The simulator's Chrome-trace writer, fed with measured times (microseconds) instead.
+std::string real_run_chrome_trace(
+    int num_ranks,
+    const std::vector<std::vector<std::tuple<std::string, double, double>>>& compute,
+    const std::vector<std::tuple<int, int, std::string, std::string, double, double>>& transfers) {
+  schedule::Schedule layout;
+  layout.num_ranks = num_ranks;
+  schedule::Simulation measured;
+  measured.timeline.resize(num_ranks);
+  for (int r = 0; r < num_ranks; r++) {
+    for (const auto& [action, start, end] : compute.at(r)) {
+      measured.timeline[r].push_back(schedule::TimedAction{schedule::Action::parse(action), start, end});
+    }
+  }
+  for (const auto& [src, dst, producer, consumer, sent, arrived] : transfers) {
+    measured.transfers.push_back(schedule::Transfer{src, dst, schedule::Action::parse(producer),
+                                                    schedule::Action::parse(consumer), sent, arrived});
+  }
+  return schedule::chrome_trace_json(layout, measured, /*microseconds_per_unit=*/1.0);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torchpp C++ extension: torch.ops.torchpp registrations and the pipeline runtime";
+
+  pipeline_error = py::reinterpret_steal<py::object>(
+      PyErr_NewException("torchpp._C.PipelineError", PyExc_RuntimeError, nullptr));
+  pipeline_shape_error = py::reinterpret_steal<py::object>(
+      PyErr_NewException("torchpp._C.PipelineShapeError", pipeline_error.ptr(), nullptr));
+  m.attr("PipelineError") = pipeline_error;
+  m.attr("PipelineShapeError") = pipeline_shape_error;
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const runtime::PipelineFailure& failure) {
+      const auto& type = failure.kind() == runtime::FailureKind::Shape ? pipeline_shape_error : pipeline_error;
+      PyErr_SetString(type.ptr(), failure.what());
+    }
+  });
+
+  // ---- Weight-gradient store of the split B/W linear ----
+  m.def("wgrad_begin_capture", &weight_grad_store::begin_capture, py::arg("stage"), py::arg("microbatch"));
+  m.def("wgrad_end_capture", &weight_grad_store::end_capture);
+  m.def("wgrad_capturing", &weight_grad_store::capturing);
+  m.def("wgrad_run", &weight_grad_store::run, py::arg("stage"), py::arg("microbatch"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("wgrad_pending", &weight_grad_store::pending);
+  m.def("wgrad_clear", &weight_grad_store::clear);
+  m.def("wgrad_set_main_grad", &weight_grad_store::set_main_grad, py::arg("param"), py::arg("main_grad"));
+
+  // ---- Pipeline executor ----
+  py::class_<runtime::Executor>(m, "Executor")
+      .def(py::init(&make_executor), py::arg("rank"), py::arg("actions"), py::arg("stage_to_rank"),
+           py::arg("stages_per_pipeline"), py::arg("pp_group"), py::arg("tp_group"), py::arg("tp_rank"),
+           py::arg("tp_size"), py::arg("scatter_gather"), py::arg("abort_groups"), py::arg("device"),
+           py::arg("expected_inputs"), py::arg("forward"))
+      .def("step", &runtime::Executor::step, py::arg("inputs_changed"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("peak_activations", &runtime::Executor::peak_activations)
+      .def("timeline", [](const runtime::Executor& self) {
+        // [(action, start_us, end_us, arrived_us)]; arrived_us is -1 except for RECV actions.
+        std::vector<std::tuple<std::string, double, double, double>> out;
+        for (const auto& r : self.timeline().records()) out.emplace_back(r.action, r.start_us, r.end_us, r.arrived_us);
+        return out;
+      });
+  m.def("real_run_chrome_trace", &real_run_chrome_trace, py::arg("num_ranks"), py::arg("compute"),
+        py::arg("transfers"));
 }

@@ -1,0 +1,58 @@
+#include "ops/p2p.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include "ops/collectives.h"
+
+namespace torchpp::p2p {
+
+int64_t sent_numel(int64_t numel, int64_t tp_size) {
+  return (tp_size > 1 && numel % tp_size == 0) ? numel / tp_size : numel;
+}
+
+at::Tensor scatter_slice(const at::Tensor& full, int64_t tp_rank, int64_t tp_size) {
+  TORCH_CHECK(tp_rank >= 0 && tp_rank < tp_size, "torchpp.pp_scatter_slice: tp_rank ", tp_rank,
+              " outside [0, ", tp_size, ")");
+  const auto flat = full.contiguous().view({-1});
+  const int64_t count = sent_numel(flat.numel(), tp_size);
+  if (count == flat.numel()) {
+    return flat;
+  }
+  // contiguous(): gloo and NCCL send dense buffers; the narrow view of a flat tensor already is.
+  return flat.narrow(0, tp_rank * count, count);
+}
+
+at::Tensor gather_slices(const at::Tensor& slice, c10::IntArrayRef shape, const std::string& tp_group_name,
+                         int64_t tp_size) {
+  const int64_t numel = c10::multiply_integers(shape);
+  if (slice.numel() == numel) {
+    return slice.view(shape);
+  }
+  TORCH_CHECK(slice.numel() * tp_size == numel, "torchpp.pp_gather_slices: a slice of ", slice.numel(),
+              " elements times tp_size ", tp_size, " does not make a tensor of shape ", shape);
+  return all_gather_along(slice.view({-1}), 0, tp_group_name, tp_size, "pp_gather_slices").view(shape);
+}
+
+namespace {
+
+at::Tensor pp_scatter_slice(const at::Tensor& input, int64_t tp_rank, int64_t tp_size) {
+  // A fresh tensor: custom ops may not alias their inputs.
+  return scatter_slice(input, tp_rank, tp_size).clone();
+}
+
+at::Tensor pp_gather_slices(const at::Tensor& slice, c10::IntArrayRef shape, c10::string_view tp_group_name,
+                            int64_t tp_size) {
+  return gather_slices(slice, shape, std::string(tp_group_name), tp_size).clone();
+}
+
+}  // namespace
+
+// ---- Device-generic kernels ----
+TORCH_LIBRARY_IMPL(torchpp, CompositeExplicitAutograd, m) {
+  m.impl("pp_scatter_slice", TORCH_FN(pp_scatter_slice));
+  m.impl("pp_gather_slices", TORCH_FN(pp_gather_slices));
+}
+
+}  // namespace torchpp::p2p

@@ -1,0 +1,313 @@
+#include "runtime/executor.h"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "ops/split_linear_store.h"
+
+namespace torchpp::runtime {
+
+using schedule::Action;
+using schedule::ActionType;
+
+namespace {
+
+std::vector<Action> parse_actions(const std::vector<std::string>& texts) {
+  std::vector<Action> actions;
+  actions.reserve(texts.size());
+  for (const auto& text : texts) {
+    try {
+      actions.push_back(Action::parse(text));
+    } catch (const std::exception& error) {
+      TORCH_CHECK(false, "torchpp pipeline: cannot parse action '", text, "': ", error.what());
+    }
+  }
+  return actions;
+}
+
+[[noreturn]] void shape_error(const std::string& message) {
+  throw PipelineFailure(FailureKind::Shape, "PipelineShapeError: " + message);
+}
+
+}  // namespace
+
+Executor::Executor(ExecutorConfig config, ForwardFn forward)
+    : config_(std::move(config)),
+      forward_fn_(std::move(forward)),
+      actions_(parse_actions(config_.actions)),
+      channel_(config_.pp_group, config_.tp_group, config_.tp_rank, config_.tp_size, config_.scatter_gather,
+               config_.device),
+      failure_(config_.pp_group, config_.abort_groups),
+      timeline_(config_.device) {
+  TORCH_CHECK(config_.stages_per_pipeline > 0, "torchpp pipeline: stages_per_pipeline must be positive");
+  for (const auto& action : actions_) {
+    TORCH_CHECK(action.stage >= 0 && action.stage < static_cast<int>(config_.stage_to_rank.size()),
+                "torchpp pipeline: action ", action.str(), " names a stage outside the schedule");
+  }
+}
+
+Executor::~Executor() = default;
+
+void Executor::step(bool inputs_changed) {
+  const Action* current = nullptr;
+  try {
+    reset_step_state();
+    timeline_.begin_step();
+    // Every rank must agree whether headers travel this step; one tiny all-reduce decides.
+    exchange_meta_ = channel_.any(first_step_ || inputs_changed);
+    for (const auto& action : actions_) {
+      current = &action;
+      const bool compute = schedule::is_compute(action.type);
+      const size_t record = timeline_.start(action.str(), compute);
+      run(action);
+      timeline_.end(record);
+    }
+    current = nullptr;
+    for (auto& entry : activation_sends_) entry.second.work->wait();
+    for (auto& send : other_sends_) send.work->wait();
+    TORCH_INTERNAL_ASSERT(saved_.empty(), "torchpp pipeline: ", saved_.size(),
+                          " microbatch-stages were never run backward (schedule incomplete)");
+    timeline_.finish_step();
+    failure_.raise_if_peer_failed(config_.rank);
+    first_step_ = false;
+  } catch (const std::exception& error) {
+    weight_grad_store::clear();
+    reset_step_state();
+    first_step_ = true;
+    failure_.fail(error, config_.rank, current ? "action " + current->str() : std::string("the step boundary"));
+  }
+}
+
+void Executor::reset_step_state() {
+  saved_.clear();
+  local_activations_.clear();
+  input_grads_.clear();
+  local_gradients_.clear();
+  activation_recvs_.clear();
+  activation_headers_.clear();
+  gradient_recvs_.clear();
+  activation_sends_.clear();
+  other_sends_.clear();
+  peak_activations_ = 0;
+}
+
+void Executor::run(const Action& action) {
+  switch (action.type) {
+    case ActionType::F:
+      forward(action);
+      break;
+    case ActionType::I:
+      backward(action, /*split=*/true);
+      break;
+    case ActionType::B:
+      backward(action, /*split=*/false);
+      break;
+    case ActionType::W:
+      weight_grad_store::run(action.stage, action.microbatch);
+      break;
+    case ActionType::SEND_F:
+      send_forward(action);
+      break;
+    case ActionType::SEND_B:
+      send_backward(action);
+      break;
+    case ActionType::RECV_F:
+      post_recv_forward(action);
+      break;
+    case ActionType::RECV_B:
+      post_recv_backward(action);
+      break;
+  }
+}
+
+// ---- Compute ----
+
+void Executor::forward(const Action& action) {
+  const Key key{action.stage, action.microbatch};
+  at::Tensor input;
+  if (!is_first(action.stage)) {
+    input = take_activation(action).detach();
+    // A leaf, so that I/B can read the gradient the previous stage needs.
+    if (at::isFloatingType(input.scalar_type()) || at::isComplexType(input.scalar_type())) {
+      input.requires_grad_(true);
+    }
+  }
+  at::Tensor output = forward_fn_(action.stage, action.microbatch, input);
+  TORCH_CHECK(output.defined(), "stage ", action.stage, " returned no tensor for microbatch ", action.microbatch);
+  if (!is_last(action.stage) && rank_of(action.stage + 1) == config_.rank) {
+    local_activations_[{action.stage + 1, action.microbatch}] = output.detach();
+  }
+  saved_[key] = Saved{input, output};
+  peak_activations_ = std::max<int64_t>(peak_activations_, static_cast<int64_t>(saved_.size()));
+}
+
+void Executor::backward(const Action& action, bool split) {
+  const Key key{action.stage, action.microbatch};
+  auto it = saved_.find(key);
+  TORCH_CHECK(it != saved_.end(), "torchpp pipeline: ", action.str(), " runs before its forward");
+  Saved saved = std::move(it->second);
+  saved_.erase(it);  // the activations go as soon as this backward has run
+  std::vector<at::Tensor> grad_outputs;
+  if (!is_last(action.stage)) {
+    grad_outputs.push_back(take_gradient(action));
+  }
+  if (saved.output.requires_grad()) {
+    if (split) weight_grad_store::begin_capture(action.stage, action.microbatch);
+    try {
+      torch::autograd::backward({saved.output}, grad_outputs, /*retain_graph=*/false, /*create_graph=*/false);
+    } catch (...) {
+      if (split) weight_grad_store::end_capture();
+      throw;
+    }
+    if (split) weight_grad_store::end_capture();
+  }
+  if (!is_first(action.stage) && saved.input.requires_grad()) {
+    at::Tensor grad = saved.input.grad();
+    if (!grad.defined()) grad = at::zeros_like(saved.input);
+    if (rank_of(action.stage - 1) == config_.rank) {
+      local_gradients_[{action.stage - 1, action.microbatch}] = grad;
+    } else {
+      input_grads_[key] = grad;
+    }
+  }
+  // The next stage consumed this microbatch's activation before sending its gradient back.
+  auto sent = activation_sends_.find(key);
+  if (sent != activation_sends_.end()) {
+    sent->second.work->wait();
+    activation_sends_.erase(sent);
+  }
+}
+
+// ---- Sends ----
+
+void Executor::send_forward(const Action& action) {
+  const Key key{action.stage, action.microbatch};
+  const auto& output = saved_.at(key).output;
+  const TensorMeta meta = TensorMeta::of(output);
+  const int dst = rank_of(action.stage + 1);
+  const MessageTag data{Direction::Forward, action.stage + 1, action.microbatch, false};
+  if (exchange_meta_) {
+    other_sends_.push_back(channel_.send_header(meta, dst, {Direction::Forward, action.stage + 1, action.microbatch, true}));
+    sent_meta_[key] = meta;
+  } else {
+    auto known = sent_meta_.find(key);
+    if (known == sent_meta_.end() || known->second != meta) {
+      shape_error("stage " + std::to_string(action.stage) + " microbatch " + std::to_string(action.microbatch) +
+                  " produced an output of " + meta.str() + " but stage " + std::to_string(action.stage + 1) +
+                  " was told to expect " + (known == sent_meta_.end() ? std::string("nothing") : known->second.str()) +
+                  "; shapes may change only between steps whose input shapes differ");
+    }
+  }
+  activation_sends_[key] = channel_.send(output, dst, data);
+}
+
+void Executor::send_backward(const Action& action) {
+  const Key key{action.stage, action.microbatch};
+  auto it = input_grads_.find(key);
+  TORCH_CHECK(it != input_grads_.end(), "torchpp pipeline: ", action.str(), " has no input gradient to send");
+  other_sends_.push_back(
+      channel_.send(it->second, rank_of(action.stage - 1), {Direction::Backward, action.stage - 1, action.microbatch, false}));
+  input_grads_.erase(it);
+}
+
+// ---- Receives ----
+
+void Executor::post_recv_forward(const Action& action) {
+  const Key key{action.stage, action.microbatch};
+  const int src = rank_of(action.stage - 1);
+  if (exchange_meta_) {
+    activation_headers_[key] = channel_.post_header(src, {Direction::Forward, action.stage, action.microbatch, true});
+    return;
+  }
+  auto known = received_meta_.find(key);
+  TORCH_CHECK(known != received_meta_.end(), "torchpp pipeline: no metadata for ", action.str());
+  activation_recvs_[key] = channel_.post(known->second, src, {Direction::Forward, action.stage, action.microbatch, false});
+}
+
+void Executor::post_recv_backward(const Action& action) {
+  const Key key{action.stage, action.microbatch};
+  // The gradient has the shape of this stage's output; post now if that is known already.
+  auto saved = saved_.find(key);
+  auto sent = sent_meta_.find(key);
+  if (saved == saved_.end() && (exchange_meta_ || sent == sent_meta_.end())) {
+    return;  // posted by the consumer once the forward has run
+  }
+  const TensorMeta meta = saved != saved_.end() ? TensorMeta::of(saved->second.output) : sent->second;
+  gradient_recvs_[key] =
+      channel_.post(meta, rank_of(action.stage + 1), {Direction::Backward, action.stage, action.microbatch, false});
+}
+
+at::Tensor Executor::take_activation(const Action& consumer) {
+  const Key key{consumer.stage, consumer.microbatch};
+  auto local = local_activations_.find(key);
+  if (local != local_activations_.end()) {
+    at::Tensor input = std::move(local->second);
+    local_activations_.erase(local);
+    return input;
+  }
+  const int src = rank_of(consumer.stage - 1);
+  const Action recv_action{consumer.stage, ActionType::RECV_F, consumer.microbatch};
+  auto header = activation_headers_.find(key);
+  if (header != activation_headers_.end()) {
+    TensorMeta meta = channel_.finish_header(header->second);
+    activation_headers_.erase(header);
+    check_expected_input(consumer.stage, consumer.microbatch, meta);
+    received_meta_[key] = meta;
+    activation_recvs_[key] = channel_.post(meta, src, {Direction::Forward, consumer.stage, consumer.microbatch, false});
+  }
+  auto recv = activation_recvs_.find(key);
+  TORCH_CHECK(recv != activation_recvs_.end(), "torchpp pipeline: ", consumer.str(),
+              " needs an activation that no RECV_F posted (schedule not lowered?)");
+  at::Tensor input = channel_.finish(recv->second, received_meta_.at(key));
+  activation_recvs_.erase(recv);
+  timeline_.arrived(recv_action.str(), now_us());
+  return input;
+}
+
+at::Tensor Executor::take_gradient(const Action& consumer) {
+  const Key key{consumer.stage, consumer.microbatch};
+  auto local = local_gradients_.find(key);
+  if (local != local_gradients_.end()) {
+    at::Tensor grad = std::move(local->second);
+    local_gradients_.erase(local);
+    return grad;
+  }
+  auto recv = gradient_recvs_.find(key);
+  const Action recv_action{consumer.stage, ActionType::RECV_B, consumer.microbatch};
+  TensorMeta meta;
+  // saved_ no longer holds the output here; the sender side of this stage cached its metadata.
+  auto sent = sent_meta_.find(key);
+  TORCH_CHECK(sent != sent_meta_.end(), "torchpp pipeline: ", consumer.str(), " has no output metadata");
+  meta = sent->second;
+  if (recv == gradient_recvs_.end()) {
+    recv = gradient_recvs_.emplace(key, channel_.post(meta, rank_of(consumer.stage + 1),
+                                                      {Direction::Backward, consumer.stage, consumer.microbatch, false}))
+               .first;
+  }
+  at::Tensor grad = channel_.finish(recv->second, meta);
+  gradient_recvs_.erase(recv);
+  timeline_.arrived(recv_action.str(), now_us());
+  return grad;
+}
+
+void Executor::check_expected_input(int stage, int microbatch, const TensorMeta& meta) const {
+  auto expected = config_.expected_inputs.find(stage);
+  if (expected == config_.expected_inputs.end()) {
+    return;
+  }
+  const auto& want = expected->second;
+  // The batch dimension may differ (an uneven last microbatch); every other must match.
+  const bool same = want.dtype == meta.dtype && want.shape.size() == meta.shape.size() &&
+                    std::equal(want.shape.begin() + std::min<size_t>(1, want.shape.size()), want.shape.end(),
+                               meta.shape.begin() + std::min<size_t>(1, meta.shape.size()));
+  if (!same) {
+    shape_error("stage " + std::to_string(stage) + " microbatch " + std::to_string(microbatch) + " received " +
+                meta.str() + " from stage " + std::to_string(stage - 1) + " but expects " + want.str() +
+                " (its input_args)");
+  }
+}
+
+}  // namespace torchpp::runtime

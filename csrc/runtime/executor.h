@@ -1,0 +1,110 @@
+// The pipeline executor: runs this rank's lowered action list (F, I, W, B, SEND/RECV) of a
+// schedule from the schedule compiler, once per training step.
+//
+//  - F calls back into the stage module (Python or any callable) with the received input;
+//    I and B run autograd in C++; I captures split-B/W linears' weight gradients under
+//    (stage, microbatch) in the weight-gradient store and W runs them.
+//  - A microbatch's saved activations and output are dropped as soon as its I/B has run.
+//  - Receives are posted as soon as their size is known (early) and waited on only by the
+//    consuming action; sends never block.
+//  - Shapes/dtypes travel as a header before the data in steps where they may have changed
+//    (the first step, and steps whose input shapes changed); otherwise the cached ones are used
+//    and a stage output that disagrees raises PipelineShapeError.
+//  - Any failure aborts the step on every rank (see failure.h).
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "runtime/failure.h"
+#include "runtime/p2p_channel.h"
+#include "runtime/tensor_meta.h"
+#include "runtime/timeline.h"
+#include "schedule/ir.h"
+
+namespace torchpp::runtime {
+
+// (stage, microbatch, input) -> output; the input is undefined on a first stage (the callback
+// owns the step's inputs) and the output of a last stage is its (scaled) loss.
+using ForwardFn = std::function<at::Tensor(int64_t, int64_t, const at::Tensor&)>;
+
+struct ExecutorConfig {
+  int rank = 0;                      // this rank in the pipeline group
+  std::vector<std::string> actions;  // this rank's lowered actions, e.g. "0F3", "1RECV_B0"
+  std::vector<int> stage_to_rank;
+  int stages_per_pipeline = 1;
+  std::string pp_group;
+  std::string tp_group;  // used by scatter/gather only
+  int64_t tp_rank = 0;
+  int64_t tp_size = 1;
+  bool scatter_gather = false;
+  std::vector<std::string> abort_groups;  // groups to abort when a step fails
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+  std::map<int, TensorMeta> expected_inputs;  // user-given input metadata per stage
+};
+
+class Executor {
+ public:
+  Executor(ExecutorConfig config, ForwardFn forward);
+  ~Executor();  // out of line: members hold c10d types this header only declares
+
+  // Runs one step. `inputs_changed`: this rank's step inputs differ in shape from the last step.
+  void step(bool inputs_changed);
+
+  const Timeline& timeline() const { return timeline_; }
+  // Most microbatch-stages alive (between F and I/B) at once in the last step.
+  int64_t peak_activations() const { return peak_activations_; }
+
+ private:
+  using Key = std::pair<int, int>;  // (stage, microbatch)
+  struct Saved {
+    at::Tensor input;
+    at::Tensor output;
+  };
+
+  void run(const schedule::Action& action);
+  void forward(const schedule::Action& action);
+  void backward(const schedule::Action& action, bool split);
+  void send_forward(const schedule::Action& action);
+  void send_backward(const schedule::Action& action);
+  void post_recv_forward(const schedule::Action& action);
+  void post_recv_backward(const schedule::Action& action);
+  at::Tensor take_activation(const schedule::Action& consumer);
+  at::Tensor take_gradient(const schedule::Action& consumer);
+  void check_expected_input(int stage, int microbatch, const TensorMeta& meta) const;
+  void reset_step_state();
+
+  bool is_first(int stage) const { return stage % config_.stages_per_pipeline == 0; }
+  bool is_last(int stage) const { return stage % config_.stages_per_pipeline == config_.stages_per_pipeline - 1; }
+  int rank_of(int stage) const { return config_.stage_to_rank.at(stage); }
+
+  ExecutorConfig config_;
+  ForwardFn forward_fn_;
+  std::vector<schedule::Action> actions_;
+  P2PChannel channel_;
+  FailurePropagation failure_;
+  Timeline timeline_;
+  bool first_step_ = true;
+  bool exchange_meta_ = true;
+
+  std::map<Key, Saved> saved_;
+  std::map<Key, at::Tensor> local_activations_;  // next stage on this rank: handed over directly
+  std::map<Key, at::Tensor> input_grads_;        // produced by I/B, awaiting SEND_B
+  std::map<Key, at::Tensor> local_gradients_;    // previous stage on this rank: keyed by its (stage, mb)
+  std::map<Key, PendingRecv> activation_recvs_;  // keyed by consumer (stage, microbatch)
+  std::map<Key, PendingRecv> activation_headers_;
+  std::map<Key, PendingRecv> gradient_recvs_;
+  std::map<Key, PendingSend> activation_sends_;  // reaped once the microbatch's backward ran
+  std::vector<PendingSend> other_sends_;         // headers and gradients: waited at step end
+  std::map<Key, TensorMeta> received_meta_;      // per consumer (stage, microbatch), across steps
+  std::map<Key, TensorMeta> sent_meta_;          // per producer (stage, microbatch), across steps
+  int64_t peak_activations_ = 0;
+};
+
+}  // namespace torchpp::runtime

@@ -1,0 +1,86 @@
+#include "runtime/failure.h"
+
+#include <chrono>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "ops/process_group.h"
+
+namespace torchpp::runtime {
+namespace {
+
+const std::string kFailureKey = "torchpp_pipeline_failure";
+// How long a rank whose communication broke waits for its peer's message to appear.
+constexpr auto kPeerMessageWait = std::chrono::milliseconds(1500);
+
+bool read_failure(c10d::Store& store, FailureKind* kind, std::string* message) {
+  if (!store.check({kFailureKey})) {
+    return false;
+  }
+  auto bytes = store.get(kFailureKey);
+  std::string value(bytes.begin(), bytes.end());
+  *kind = value.empty() ? FailureKind::Generic : static_cast<FailureKind>(value[0]);
+  *message = value.empty() ? std::string() : value.substr(1);
+  return true;
+}
+
+}  // namespace
+
+FailurePropagation::FailurePropagation(std::string store_group, std::vector<std::string> abort_groups)
+    : store_group_(std::move(store_group)), abort_groups_(std::move(abort_groups)) {}
+
+void FailurePropagation::fail(const std::exception& error, int rank, const std::string& where) const {
+  FailureKind kind = FailureKind::Generic;
+  if (auto* failure = dynamic_cast<const PipelineFailure*>(&error)) {
+    kind = failure->kind();
+  }
+  std::string message;
+  bool peer_failed = false;
+  try {
+    auto store = resolve_group(store_group_)->getStore();
+    // A broken connection usually means a peer failed; give its message time to arrive.
+    const auto deadline = std::chrono::steady_clock::now() + kPeerMessageWait;
+    FailureKind peer_kind = FailureKind::Generic;
+    std::string peer_message;
+    while (!(peer_failed = read_failure(*store, &peer_kind, &peer_message)) &&
+           std::chrono::steady_clock::now() < deadline && dynamic_cast<const PipelineFailure*>(&error) == nullptr) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (peer_failed) {
+      kind = peer_kind;
+      message = "torchpp pipeline: rank " + std::to_string(rank) + " stopped at " + where +
+                " because another rank failed: " + peer_message;
+    } else {
+      message = "torchpp pipeline: rank " + std::to_string(rank) + " failed at " + where + ": " + error.what();
+      std::string value(1, static_cast<char>(kind));
+      value += message;
+      store->set(kFailureKey, std::vector<uint8_t>(value.begin(), value.end()));
+    }
+  } catch (const std::exception& store_error) {
+    message = "torchpp pipeline: rank " + std::to_string(rank) + " failed at " + where + ": " + error.what() +
+              " (the failure could not be shared with the other ranks: " + store_error.what() + ")";
+  }
+  // Aborting closes this rank's connections, which fails every peer's pending receive from it.
+  for (const auto& name : abort_groups_) {
+    try {
+      resolve_group(name)->abort();
+    } catch (const std::exception&) {
+      // Already gone: nothing left to unblock.
+    }
+  }
+  throw PipelineFailure(kind, message);
+}
+
+void FailurePropagation::raise_if_peer_failed(int rank) const {
+  auto store = resolve_group(store_group_)->getStore();
+  FailureKind kind;
+  std::string message;
+  if (read_failure(*store, &kind, &message)) {
+    throw PipelineFailure(kind, "torchpp pipeline: rank " + std::to_string(rank) +
+                                    " finished its step but another rank failed: " + message);
+  }
+}
+
+}  // namespace torchpp::runtime

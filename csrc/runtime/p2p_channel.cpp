@@ -1,0 +1,76 @@
+#include "runtime/p2p_channel.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "ops/p2p.h"
+#include "ops/process_group.h"
+
+namespace torchpp::runtime {
+namespace {
+
+constexpr int kMaxMicrobatches = 1 << 16;
+
+}  // namespace
+
+int MessageTag::value() const {
+  TORCH_CHECK(microbatch < kMaxMicrobatches, "torchpp pipeline: at most ", kMaxMicrobatches, " microbatches");
+  return (((consumer_stage * 2 + static_cast<int>(direction)) * 2 + (header ? 1 : 0)) * kMaxMicrobatches) + microbatch;
+}
+
+P2PChannel::P2PChannel(const std::string& group_name, std::string tp_group_name, int64_t tp_rank, int64_t tp_size,
+                       bool scatter_gather, c10::Device device)
+    : group_(resolve_group(group_name)),
+      tp_group_name_(std::move(tp_group_name)),
+      tp_rank_(scatter_gather ? tp_rank : 0),
+      tp_size_(scatter_gather ? tp_size : 1),
+      device_(device) {}
+
+P2PChannel::~P2PChannel() = default;
+
+PendingSend P2PChannel::send(const at::Tensor& tensor, int dst, MessageTag tag) {
+  std::vector<at::Tensor> buffers{p2p::scatter_slice(tensor.detach(), tp_rank_, tp_size_)};
+  auto work = group_->send(buffers, dst, tag.value());
+  return {work, buffers[0]};
+}
+
+PendingSend P2PChannel::send_header(const TensorMeta& meta, int dst, MessageTag tag) {
+  std::vector<at::Tensor> buffers{meta.encode(device_)};
+  auto work = group_->send(buffers, dst, tag.value());
+  return {work, buffers[0]};
+}
+
+PendingRecv P2PChannel::post(const TensorMeta& meta, int src, MessageTag tag) {
+  std::vector<at::Tensor> buffers{
+      at::empty({p2p::sent_numel(meta.numel(), tp_size_)}, at::TensorOptions().dtype(meta.dtype).device(device_))};
+  auto work = group_->recv(buffers, src, tag.value());
+  return {work, buffers[0]};
+}
+
+PendingRecv P2PChannel::post_header(int src, MessageTag tag) {
+  std::vector<at::Tensor> buffers{at::empty({kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(device_))};
+  auto work = group_->recv(buffers, src, tag.value());
+  return {work, buffers[0]};
+}
+
+at::Tensor P2PChannel::finish(PendingRecv& recv, const TensorMeta& meta) {
+  recv.work->wait();
+  recv.work.reset();
+  return p2p::gather_slices(recv.buffer, meta.shape, tp_group_name_, tp_size_);
+}
+
+TensorMeta P2PChannel::finish_header(PendingRecv& recv) {
+  recv.work->wait();
+  recv.work.reset();
+  return TensorMeta::decode(recv.buffer);
+}
+
+bool P2PChannel::any(bool flag) {
+  std::vector<at::Tensor> tensors{at::full({1}, flag ? 1 : 0, at::TensorOptions().dtype(at::kLong).device(device_))};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  group_->allreduce(tensors, options)->wait();
+  return tensors[0].item<int64_t>() > 0;
+}
+
+}  // namespace torchpp::runtime

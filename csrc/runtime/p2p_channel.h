@@ -1,0 +1,70 @@
+// Non-blocking sends and receives of pipeline messages over the pipeline process group.
+// Every message has its own tag (direction, consuming stage, microbatch, header or data), so a
+// receive can be posted whenever its size is known and still never match the wrong message.
+// With scatter/gather on, each TP rank moves only its 1/t slice and the receivers all-gather.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include "runtime/tensor_meta.h"
+
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
+
+namespace torchpp::runtime {
+
+enum class Direction : int { Forward = 0, Backward = 1 };
+
+struct MessageTag {
+  Direction direction;
+  int consumer_stage;
+  int microbatch;
+  bool header;
+  int value() const;
+};
+
+// A posted receive; `buffer` is valid once `work` has been waited on.
+struct PendingRecv {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor buffer;
+};
+
+struct PendingSend {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor buffer;  // kept alive until the send completes
+};
+
+class P2PChannel {
+ public:
+  P2PChannel(const std::string& group_name, std::string tp_group_name, int64_t tp_rank, int64_t tp_size,
+             bool scatter_gather, c10::Device device);
+  ~P2PChannel();
+
+  PendingSend send(const at::Tensor& tensor, int dst, MessageTag tag);
+  PendingSend send_header(const TensorMeta& meta, int dst, MessageTag tag);
+  // Posts the receive of a message of `meta` (this rank's slice of it under scatter/gather).
+  PendingRecv post(const TensorMeta& meta, int src, MessageTag tag);
+  PendingRecv post_header(int src, MessageTag tag);
+  // Waits for a posted message and returns the whole tensor of `meta`.
+  at::Tensor finish(PendingRecv& recv, const TensorMeta& meta);
+  TensorMeta finish_header(PendingRecv& recv);
+
+  // All-reduce (max) of a flag over the pipeline group: a step-start agreement.
+  bool any(bool flag);
+  c10d::ProcessGroup& group() { return *group_; }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::string tp_group_name_;
+  int64_t tp_rank_;
+  int64_t tp_size_;  // 1 when scatter/gather is off
+  c10::Device device_;
+};
+
+}  // namespace torchpp::runtime

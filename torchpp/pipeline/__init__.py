@@ -1,0 +1,32 @@
+"""Pipeline parallelism: stages on ranks, driven by the schedule compiler's action lists.
+
+Mirrors torch.distributed.pipelining, so migrating is a change of imports::
+
+    from torchpp.pipeline import PipelineStage, build_schedule, split_model
+    stage = PipelineStage(submodule, stage_index, num_stages, device, group=pp_group)
+    sched = build_schedule("zb-h1", stage, n_microbatches=8, loss_fn=loss_fn)
+    sched.step(x, target=y, losses=losses)
+
+The executor is C++ (csrc/runtime); see docs/pipeline.md.
+"""
+from torchpp.pipeline import weight_grad_store
+from torchpp.pipeline.errors import PipelineError, PipelineShapeError
+from torchpp.pipeline.schedules import PipelineSchedule, build_schedule
+from torchpp.pipeline.split import split_model
+from torchpp.pipeline.split_linear import SplitBWLinear, split_bw_linear
+from torchpp.pipeline.stage import PipelineStage
+from torchpp.pipeline.trace import export_chrome_trace, plot_timeline
+
+__all__ = [
+    "PipelineError",
+    "PipelineSchedule",
+    "PipelineShapeError",
+    "PipelineStage",
+    "SplitBWLinear",
+    "build_schedule",
+    "export_chrome_trace",
+    "plot_timeline",
+    "split_bw_linear",
+    "split_model",
+    "weight_grad_store",
+]

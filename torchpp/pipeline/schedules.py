@@ -1,0 +1,224 @@
+"""build_schedule and the PipelineSchedule it returns: the step() users call.
+
+The order of work comes from the schedule compiler (torchpp.schedule); the C++ executor
+(csrc/runtime) runs this rank's lowered action list and calls back here only to run a stage's
+forward (and the loss on a last stage).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from torchpp import _C
+from torchpp import schedule as S
+from torchpp.pipeline.microbatch import loss_weights, split_microbatches
+from torchpp.pipeline.stage import PipelineStage
+
+# Tag of the gradient exchange between DualPipe's twin stages, far above the executor's tags.
+_TWIN_GRAD_TAG = 1 << 30
+
+
+class PipelineSchedule:
+    """A compiled schedule bound to this rank's stages; call ``step`` once per batch.
+
+    Built by ``build_schedule``; see there for the arguments.
+    """
+
+    def __init__(self, schedule: "S.Schedule", stages: List[PipelineStage], loss_fn, scale_grads: bool,
+                 scatter_gather: bool):
+        self.schedule = schedule
+        self.lowered = schedule.lowered()
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.num_microbatches = schedule.num_microbatches
+        first = stages[0]
+        self.group = first.group
+        self.rank = first.group_rank
+        self.device = first.device
+        self._stage_of = self._place(stages)
+        self.stages = stages
+        spp = schedule.num_stages // schedule.num_pipelines
+        self._stages_per_pipeline = spp
+        self._has_first = any(s % spp == 0 for s in self._stage_of)
+        self._has_last = any(s % spp == spp - 1 for s in self._stage_of)
+        tp_group = first.tp_group
+        groups = [self.group.group_name] + ([tp_group.group_name] if tp_group is not None else [])
+        expected = {s: st.input_args for s, st in self._stage_of.items() if st.input_args is not None}
+        self._executor = _C.Executor(
+            rank=self.rank,
+            actions=self.lowered.actions(self.rank),
+            stage_to_rank=schedule.stage_to_rank,
+            stages_per_pipeline=spp,
+            pp_group=self.group.group_name,
+            tp_group=tp_group.group_name if tp_group is not None else "",
+            tp_rank=dist.get_rank(tp_group) if tp_group is not None else 0,
+            tp_size=tp_group.size() if tp_group is not None else 1,
+            scatter_gather=bool(scatter_gather and tp_group is not None and tp_group.size() > 1),
+            abort_groups=groups,
+            device=self.device,
+            expected_inputs=expected,
+            forward=self._forward,
+        )
+        self._signature = None
+        self._inputs: Optional[List[torch.Tensor]] = None
+        self._targets: Optional[List[torch.Tensor]] = None
+        self._weights: List[float] = []
+        self._losses: Dict[int, torch.Tensor] = {}
+        self._outputs: Dict[int, torch.Tensor] = {}
+
+    def _place(self, stages: List[PipelineStage]) -> Dict[int, PipelineStage]:
+        """Maps each schedule stage this rank runs to the PipelineStage holding its parameters."""
+        sch = self.schedule
+        by_model_stage = {st.stage_index: st for st in stages}
+        model_stages = sch.num_stages // sch.num_pipelines
+        for st in stages:
+            if st.num_stages != model_stages:
+                raise ValueError(
+                    f"torchpp pipeline: schedule {sch.name!r} has {model_stages} model stages but "
+                    f"{st!r} says num_stages={st.num_stages}"
+                )
+        mine = [s for s, r in enumerate(sch.stage_to_rank) if r == self.rank]
+        wanted = sorted({sch.model_stage(s) for s in mine})
+        if sorted(by_model_stage) != wanted:
+            raise ValueError(
+                f"torchpp pipeline: schedule {sch.name!r} places model stages {wanted} on pipeline rank "
+                f"{self.rank} (stage_to_rank={sch.stage_to_rank}), but this rank passed stages "
+                f"{sorted(by_model_stage)}"
+            )
+        return {s: by_model_stage[sch.model_stage(s)] for s in mine}
+
+    # ---- the executor's callback ----
+    def _forward(self, stage: int, microbatch: int, input: Optional[torch.Tensor]) -> torch.Tensor:
+        spp = self._stages_per_pipeline
+        if input is None:
+            input = self._inputs[microbatch]
+        output = self._stage_of[stage].submod(input)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"stage {stage} returned a {type(output).__name__} for microbatch {microbatch}; "
+                f"a pipeline stage must return one Tensor"
+            )
+        if stage % spp != spp - 1:
+            return output
+        loss = output if self.loss_fn is None else self.loss_fn(output, self._targets[microbatch])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"the loss of microbatch {microbatch} must be a one-element tensor, got {loss!r}")
+        self._losses[microbatch] = loss.detach()
+        self._outputs[microbatch] = output.detach()
+        # Weighted by the microbatch's share of the batch, the summed gradients are the batch's.
+        return loss * self._weights[microbatch] if self.scale_grads else loss
+
+    def step(self, *args: torch.Tensor, target: Optional[torch.Tensor] = None,
+             losses: Optional[list] = None) -> Optional[torch.Tensor]:
+        """Runs forward and backward of one batch over the pipeline; gradients accumulate in .grad.
+
+        Args:
+            *args: the batch (one tensor) on ranks that hold a first stage; nothing elsewhere.
+            target: the batch's target on ranks that hold a last stage (passed to loss_fn).
+            losses: if a list, this rank's per-microbatch losses (unscaled) are appended.
+
+        Returns:
+            On ranks holding a last stage, the outputs of its microbatches concatenated along
+            dim 0; None elsewhere.
+        """
+        if len(args) > 1:
+            raise TypeError("torchpp pipeline: stages take one input tensor")
+        m = self.num_microbatches
+        x = args[0] if args else None
+        if self._has_first and x is None:
+            raise ValueError(f"torchpp pipeline: rank {self.rank} holds a first stage and needs the batch input")
+        if self._has_last and self.loss_fn is not None and target is None:
+            raise ValueError(f"torchpp pipeline: rank {self.rank} holds a last stage and needs target=")
+        self._inputs = split_microbatches(x, m) if self._has_first else None
+        self._targets = split_microbatches(target, m) if self._has_last else None
+        sizing = self._targets or self._inputs
+        self._weights = loss_weights(sizing) if sizing is not None else [1.0 / m] * m
+        signature = tuple((tuple(t.shape), t.dtype) for t in (self._inputs or []))
+        changed = signature != self._signature
+        self._signature = signature
+        self._losses.clear()
+        self._outputs.clear()
+        try:
+            self._executor.step(changed)
+        finally:
+            self._inputs = self._targets = None
+        if self.schedule.num_pipelines == 2:
+            self._sum_twin_gradients()
+        mine = sorted(self._losses)
+        if losses is not None:
+            losses.extend(self._losses[k] for k in mine)
+        if not mine:
+            return None
+        return torch.cat([self._outputs[k] for k in mine])
+
+    def _sum_twin_gradients(self) -> None:
+        """DualPipe: rank r and rank p-1-r both hold model stages r and p-1-r; add up their grads."""
+        partner = self.schedule.num_ranks - 1 - self.rank
+        params = [p for st in sorted(self.stages, key=lambda s: s.stage_index) for p in st.submod.parameters()]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        theirs = torch.empty_like(flat)
+        peer = dist.get_global_rank(self.group, partner)
+        ops = [dist.P2POp(dist.isend, flat, peer, self.group, _TWIN_GRAD_TAG),
+               dist.P2POp(dist.irecv, theirs, peer, self.group, _TWIN_GRAD_TAG)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        flat.add_(theirs)
+        for param, summed in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+            param.grad = summed.clone()
+
+    # ---- measurements ----
+    @property
+    def peak_activations(self) -> int:
+        """Most microbatch-stages whose activations were alive at once on this rank, last step."""
+        return self._executor.peak_activations
+
+    def timeline(self) -> List[tuple]:
+        """This rank's last step: ``(action, start_us, end_us, arrived_us)`` per action."""
+        return self._executor.timeline()
+
+
+def build_schedule(
+    name: str,
+    stages: Union[PipelineStage, Sequence[PipelineStage]],
+    n_microbatches: int,
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    *,
+    scale_grads: bool = True,
+    scatter_gather: bool = True,
+    costs=None,
+    memory_limit: Optional[float] = None,
+    microbatch_group_size: Optional[int] = None,
+) -> PipelineSchedule:
+    """Compiles schedule ``name`` for this rank's stages.
+
+    Args:
+        name: any name of ``torchpp.schedule.SCHEDULES`` ("1f1b", "zb-h1", "interleaved-1f1b", ...).
+        stages: this rank's PipelineStage, or a list of them for schedules with several stages
+            per rank (interleaved: model stages c*p+r; V shapes: r and 2p-1-r; DualPipe: model
+            stages r and p-1-r, each a separate copy of its parameters initialised identically).
+        n_microbatches: microbatches per step.
+        loss_fn: ``loss_fn(output, target)`` on the last stage; must return a mean over the
+            microbatch (each microbatch's loss is weighted by its share of the batch).
+        scale_grads: weight microbatch losses so the gradients equal the full-batch gradient.
+        scatter_gather: under tensor parallelism, move 1/t of each message per TP rank and
+            all-gather on arrival (Megatron's scatter/gather optimization).
+        costs, memory_limit, microbatch_group_size: passed to ``torchpp.schedule.generate``.
+    """
+    stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
+    if not stage_list:
+        raise ValueError("torchpp pipeline: build_schedule needs at least one stage")
+    groups = {st.group.group_name for st in stage_list}
+    if len(groups) != 1:
+        raise ValueError("torchpp pipeline: all stages of a rank must share one pipeline group")
+    num_ranks = stage_list[0].group_size
+    chunks = len(stage_list)
+    if name in ("dualpipe",):
+        chunks = None  # two copies of one stage per rank, not two chunks
+    schedule = S.generate(
+        name, num_ranks=num_ranks, num_microbatches=n_microbatches, num_chunks=chunks,
+        costs=costs, memory_limit=memory_limit, microbatch_group_size=microbatch_group_size,
+    )
+    return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather)
