@@ -1,0 +1,246 @@
+"""Planner: enumerate (tp, pp, dp, microbatch, v, schedule, recompute, ZeRO-1), drop what does
+not fit in memory, rank the rest by simulated step time.
+
+Compute costs come from FLOPs at a stated efficiency (SPEC section 3 per-layer F, I, W), TP and
+DP from ring all-reduce volumes, PP sends from b*s*h/t per boundary (scatter/gather), all over
+the link each group actually uses (intra-node when the group fits in a node). The pipeline part
+of a step is the schedule simulator's makespan; DP gradient reduction is added, not overlapped.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from torchpp.plan.memory import RECOMPUTE, layer_activation_bytes, model_state_bytes
+from torchpp.plan.model_config import ModelConfig
+from torchpp.plan.schedule_sim import simulate_schedule
+
+
+class PlanError(ValueError):
+    """No layout can run the request; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and links. Bandwidths are all-reduce bus bandwidths per GPU, in bytes/s."""
+
+    num_gpus: int
+    gpu_memory: float  # bytes
+    gpus_per_node: int = 8
+    intra_node_bandwidth: float = 250e9  # NVLink (A100 nccl-tests bus bandwidth)
+    inter_node_bandwidth: float = 25e9  # one 200 Gb/s InfiniBand NIC per GPU
+    peak_flops: float = 312e12  # A100 bf16 dense
+    efficiency: float = 0.5  # achieved fraction of peak on transformer GEMMs (Megatron: 44-52%)
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch: int
+    seq_len: int
+    element_bytes: int = 2  # 16-bit activations, weights and gradients
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    schedules: tuple[tuple[str, int], ...] = (
+        ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-v", 2))
+    recompute: tuple[str, ...] = RECOMPUTE
+    zero1: tuple[bool, ...] = (False, True)
+    sequence_parallel: bool = True  # Megatron-3 SP with every TP > 1 (False: Megatron-2's feature set)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    num_microbatches: int
+    chunks: int
+    schedule: str
+    recompute: str
+    zero1: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    step_time: float
+    bubble_ratio: float
+    memory_per_gpu: float  # the fullest rank
+    breakdown: dict = field(hash=False, compare=False)  # seconds per step by cause
+
+    @property
+    def sort_key(self):
+        return (self.step_time, self.memory_per_gpu)
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    cluster: Cluster
+    training: Training
+    ranked: list[Candidate]
+    rejected: dict[str, int]  # reason -> candidates
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+
+def plan(model: ModelConfig, cluster: Cluster, training: Training) -> Plan:
+    """Ranks every layout that fits; raises ``PlanError`` when none does.
+
+    Args:
+        model: the transformer's shape.
+        cluster: GPUs, memory and links.
+        training: global batch, sequence length, and the microbatch sizes and schedules to try.
+    """
+    _check_possible(model, cluster, training)
+    ranked, rejected, smallest = [], {}, None
+    for layout in _layouts(model, cluster, training):
+        try:
+            candidate = evaluate(model, cluster, training, layout)
+        except ValueError as error:  # the schedule cannot serve (p, m, v)
+            rejected["schedule constraint"] = rejected.get("schedule constraint", 0) + 1
+            continue
+        if candidate.memory_per_gpu > cluster.gpu_memory:
+            rejected["out of memory"] = rejected.get("out of memory", 0) + 1
+            if smallest is None or candidate.memory_per_gpu < smallest.memory_per_gpu:
+                smallest = candidate
+            continue
+        ranked.append(candidate)
+    if not ranked:
+        detail = ""
+        if smallest is not None:
+            detail = (f"; the least memory any layout needs is {smallest.memory_per_gpu / 1e9:.1f} GB per GPU "
+                      f"({_describe(smallest.layout)}) > {cluster.gpu_memory / 1e9:.1f} GB")
+        raise PlanError(f"no layout of {model.name} fits on {cluster.num_gpus} GPUs{detail}")
+    ranked.sort(key=lambda c: c.sort_key)
+    return Plan(model, cluster, training, ranked, rejected)
+
+
+def _check_possible(model: ModelConfig, cluster: Cluster, training: Training) -> None:
+    total = cluster.num_gpus * cluster.gpu_memory
+    # However it is sharded, every weight, gradient and optimizer state must live somewhere.
+    if model_state_bytes(model.num_parameters) > total:
+        raise PlanError(
+            f"{model.name} has {model.num_parameters / 1e9:.1f}B parameters needing "
+            f"{model_state_bytes(model.num_parameters) / 1e9:.0f} GB for weights, gradients and Adam state "
+            f"(16 bytes each), more than all memory: {cluster.num_gpus} GPUs x "
+            f"{cluster.gpu_memory / 1e9:.0f} GB = {total / 1e9:.0f} GB")
+    if training.global_batch < 1 or training.seq_len < 1:
+        raise PlanError(f"global batch ({training.global_batch}) and sequence length ({training.seq_len}) must be >= 1")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _layouts(model: ModelConfig, cluster: Cluster, training: Training):
+    kv_heads = model.kv_heads or model.heads
+    for tp in _divisors(cluster.num_gpus):
+        if model.heads % tp or (kv_heads % tp and tp % kv_heads):
+            continue
+        for pp in _divisors(cluster.num_gpus // tp):
+            dp = cluster.num_gpus // (tp * pp)
+            if pp > model.num_layers or training.global_batch % dp:
+                continue
+            for b in training.micro_batches:
+                if (training.global_batch // dp) % b:
+                    continue
+                m = training.global_batch // (dp * b)
+                schedules = [("none", 1)] if pp == 1 else training.schedules
+                for schedule, v in schedules:
+                    if model.num_layers % (pp * v):
+                        continue
+                    for recompute in training.recompute:
+                        for zero1 in (training.zero1 if dp > 1 else (False,)):
+                            yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero1)
+
+
+def _allreduce_seconds(nbytes: float, group: int, bandwidth: float) -> float:
+    return 2.0 * (group - 1) / group * nbytes / bandwidth if group > 1 else 0.0
+
+
+def _link(cluster: Cluster, span: int) -> float:
+    """Bandwidth of a group spread over `span` consecutive ranks: intra-node only when every such
+    group lies inside one node (span divides the node), else its slowest hop crosses nodes."""
+    inside = span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0
+    return cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth
+
+
+def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: Layout) -> Candidate:
+    """Step time, bubble and per-GPU memory of one layout (rank order: TP fastest, then DP, then PP)."""
+    t, p, d, b, v = layout.tp, layout.pp, layout.dp, layout.micro_batch, layout.chunks
+    s, h, e = training.seq_len, model.hidden, training.element_bytes
+    stages, layers_per_stage = p * v, model.num_layers // (p * v)
+    flops_rate = t * cluster.peak_flops * cluster.efficiency
+
+    # Per layer, per microbatch (SPEC section 3): F = bs(2P + 4sh), I = bs(2P + 8sh), W = 2bsP.
+    weights = model.layer_parameters
+    f_layer = b * s * (2 * weights + 4 * s * h)
+    i_layer = b * s * (2 * weights + 8 * s * h)
+    w_layer = 2 * b * s * weights
+    if layout.recompute == "full":
+        i_layer += f_layer
+    elif layout.recompute == "selective":
+        i_layer += 4 * b * s * s * h  # attention scores and attention over values, recomputed
+    tp_allreduce = _allreduce_seconds(b * s * h * e, t, _link(cluster, t))
+    recompute_allreduces = 2 if layout.recompute == "full" else 0
+    f_stage = layers_per_stage * (f_layer / flops_rate + 2 * tp_allreduce)
+    i_stage = layers_per_stage * (i_layer / flops_rate + (2 + recompute_allreduces) * tp_allreduce)
+    w_stage = layers_per_stage * w_layer / flops_rate
+    # The output layer (logits, loss) sits on the last stage.
+    head = 2 * b * s * h * model.vocab / flops_rate
+    f = tuple(f_stage + (head if k == stages - 1 else 0.0) for k in range(stages))
+    i = tuple(i_stage + (head if k == stages - 1 else 0.0) for k in range(stages))
+    w = tuple(w_stage + (head if k == stages - 1 else 0.0) for k in range(stages))
+    # Scatter/gather: each TP rank sends b*s*h/t; consecutive stages are t*d ranks apart.
+    p2p = b * s * h * e / t / _link(cluster, t * d * p) if p > 1 else 0.0
+
+    if p == 1:
+        makespan = layout.num_microbatches * (f[0] + i[0] + w[0])
+        bubble, peaks = 0.0, (1.0,)
+    else:
+        run = simulate_schedule(layout.schedule, p, layout.num_microbatches, v, f, i, w, p2p)
+        makespan, bubble, peaks = run.makespan, run.bubble_ratio, run.peak_activations
+
+    params_per_rank = _parameters_per_rank(model, p, v, layout.schedule)
+    grad_bytes = max(params_per_rank) / t * e
+    dp_sync = _allreduce_seconds(grad_bytes, d, _link(cluster, t * d))
+
+    act_layer = layer_activation_bytes(s, b, h, model.heads, t, sequence_parallel=training.sequence_parallel and t > 1,
+                                       recompute=layout.recompute, element_bytes=e)
+    logits = 4.0 * b * s * model.vocab / t  # fp32 logits of the microbatch in its loss
+    last_rank = 0 if layout.schedule in ("zb-v", "dualpipe-v") else p - 1
+    memory = []
+    for rank in range(p):
+        state = model_state_bytes(params_per_rank[rank] / t, dp=d, zero1=layout.zero1, weight_bytes=e, grad_bytes=e)
+        activations = peaks[rank] * layers_per_stage * act_layer + (logits if rank == last_rank else 0.0)
+        memory.append(state + activations)
+
+    compute = layout.num_microbatches * sum(
+        layers_per_stage * (f_layer + i_layer + w_layer) / flops_rate for _ in range(v))
+    tp_comm = layout.num_microbatches * v * layers_per_stage * (4 + recompute_allreduces) * tp_allreduce
+    breakdown = {
+        "compute": compute,
+        "tp_comm": tp_comm,
+        "pipeline_idle": makespan - compute - tp_comm,  # bubble + exposed sends + head imbalance
+        "dp_sync": dp_sync,
+    }
+    return Candidate(layout, makespan + dp_sync, bubble, max(memory), breakdown)
+
+
+def _parameters_per_rank(model: ModelConfig, p: int, v: int, schedule: str) -> list[float]:
+    """Unsharded parameters on each pipeline rank: its layers, the embedding on the first stage's
+    rank, the output layer (a second copy when tied) on the last stage's rank."""
+    per_rank = [model.num_layers // p * model.layer_parameters for _ in range(p)]
+    first, last = 0, (0 if schedule in ("zb-v", "dualpipe-v") else p - 1)
+    per_rank[first] += model.embedding_parameters
+    if first != last or not model.tied_embeddings:
+        per_rank[last] += model.embedding_parameters
+    return per_rank
+
+
+def _describe(layout: Layout) -> str:
+    return (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} b={layout.micro_batch} {layout.schedule}"
+            f"{f' v={layout.chunks}' if layout.chunks > 1 else ''} recompute={layout.recompute}"
+            f"{' zero1' if layout.zero1 else ''}")
