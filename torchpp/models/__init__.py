@@ -1,1 +1,4 @@
-"""Models built from torchpp's parallel layers, and (later) wrappers for existing models."""
+"""Models built from torchpp's parallel layers, and wrappers for existing models."""
+from torchpp.models.hf import ParallelCausalLM, parallelize
+
+__all__ = ["ParallelCausalLM", "parallelize"]

@@ -6,6 +6,8 @@ it), and the sum of exponentials.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -14,12 +16,17 @@ from torchpp import ops
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, ignore_index: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, ignore_index: int, vocab_size) -> torch.Tensor:
         vocab_per_rank = logits.size(-1)
         vocab_start = dist.get_rank(group) * vocab_per_rank
         ctx.logits_dtype = logits.dtype
         compute_dtype = torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
         logits = logits.to(compute_dtype)
+        padded_from = None if vocab_size is None else max(0, vocab_size - vocab_start)
+        if padded_from is not None and padded_from < vocab_per_rank:
+            # Padding columns (ids >= vocab_size) get exp(-inf) = 0: no probability, no gradient.
+            logits = logits.clone() if logits.dtype == ctx.logits_dtype else logits
+            logits[..., padded_from:] = float("-inf")
 
         logits_max = logits.max(dim=-1).values
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
@@ -48,7 +55,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         onehot = (~outside).to(grad.dtype).unsqueeze(-1)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -60,6 +67,7 @@ def vocab_parallel_cross_entropy(
     reduction: str = "none",
     sequence_parallel: bool = False,
     sequence_dim: int = 0,
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Cross entropy of logits split over the vocabulary (last dim) across the TP group.
 
@@ -75,6 +83,9 @@ def vocab_parallel_cross_entropy(
         sequence_parallel: with reduction="none", return this rank's slice of the per-token
             losses along ``sequence_dim`` (the sequence-parallel layout).
         sequence_dim: the sequence dimension of ``target``.
+        vocab_size: the true vocabulary size when the logits' vocabulary was padded to a
+            multiple of the TP size (``VocabParallelEmbedding(pad_vocab=True)``): columns at
+            or above it are left out of the softmax. None: no padding.
     """
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"torchpp.vocab_parallel_cross_entropy: unknown reduction {reduction!r}")
@@ -84,7 +95,7 @@ def vocab_parallel_cross_entropy(
             f"{tuple(target.shape)} disagree (logits must be target's shape plus the vocabulary dim)"
         )
     resolved = ops.group_of(group)
-    losses = _VocabParallelCrossEntropy.apply(logits, target, resolved, ignore_index)
+    losses = _VocabParallelCrossEntropy.apply(logits, target, resolved, ignore_index, vocab_size)
     if reduction == "sum":
         return losses.sum()
     if reduction == "mean":

@@ -12,6 +12,18 @@ from torchpp import ops
 from torchpp.tensor_parallel.utils import check_same_device, divide, mark_tensor_parallel
 
 
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The smallest multiple of ``tp_size`` that holds ``vocab_size`` rows."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def pad_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """``table`` with zero rows appended up to ``rows`` (itself when it already has them)."""
+    if table.size(0) == rows:
+        return table
+    return torch.cat([table, table.new_zeros(rows - table.size(0), *table.shape[1:])])
+
+
 class VocabParallelEmbedding(nn.Module):
     """nn.Embedding with rows split over the TP group.
 
@@ -20,13 +32,17 @@ class VocabParallelEmbedding(nn.Module):
     sequence_parallel).
 
     Args:
-        num_embeddings: vocabulary size; divided by the TP size.
+        num_embeddings: vocabulary size; divided by the TP size (see ``pad_vocab``).
         embedding_dim: embedding size.
         padding_idx: as in nn.Embedding (its row gets no gradient).
         sequence_parallel: return this rank's slice of ``sequence_dim`` (reduce-scatter).
         sequence_dim: the sequence dimension of the output (0 for [s, b, h]).
         group: the TP ProcessGroup, its name, or None for the default group.
         init_method: initialises the full table (default: nn.Embedding's normal_).
+        pad_vocab: when the TP size does not divide ``num_embeddings``, pad the table with
+            zero rows up to the next multiple (``padded_num_embeddings``); ids never reach
+            the padding, and an output layer tied to this table must mask its padded logits
+            (``vocab_parallel_cross_entropy(..., vocab_size=num_embeddings)``).
     """
 
     def __init__(
@@ -41,6 +57,7 @@ class VocabParallelEmbedding(nn.Module):
         init_method=None,
         device=None,
         dtype=None,
+        pad_vocab: bool = False,
     ):
         super().__init__()
         self.group = ops.group_of(group)
@@ -48,7 +65,10 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank = dist.get_rank(self.group)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.num_embeddings_per_rank = divide(num_embeddings, self.tp_size, "VocabParallelEmbedding num_embeddings")
+        self.padded_num_embeddings = padded_vocab_size(num_embeddings, self.tp_size) if pad_vocab else num_embeddings
+        self.num_embeddings_per_rank = divide(
+            self.padded_num_embeddings, self.tp_size, "VocabParallelEmbedding num_embeddings"
+        )
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
         if padding_idx is not None and padding_idx < 0:
@@ -61,6 +81,7 @@ class VocabParallelEmbedding(nn.Module):
         if padding_idx is not None:
             with torch.no_grad():
                 full[padding_idx].zero_()
+        full = pad_rows(full, self.padded_num_embeddings)
         self.weight = nn.Parameter(full[self.vocab_start : self.vocab_end].clone())
         mark_tensor_parallel(self.weight, partition_dim=0, group_size=self.tp_size)
 
@@ -72,7 +93,8 @@ class VocabParallelEmbedding(nn.Module):
             init_method=nn.init.zeros_, device=embedding.weight.device, dtype=embedding.weight.dtype, **kwargs,
         )
         with torch.no_grad():
-            layer.weight.copy_(embedding.weight[layer.vocab_start : layer.vocab_end])
+            padded = pad_rows(embedding.weight, layer.padded_num_embeddings)
+            layer.weight.copy_(padded[layer.vocab_start : layer.vocab_end])
         return layer
 
     def _local_padding_idx(self) -> Optional[int]:
@@ -91,7 +113,8 @@ class VocabParallelEmbedding(nn.Module):
         return ops.reduce_from_tp_region(partial, self.group)
 
     def extra_repr(self) -> str:
+        padded = f" padded to {self.padded_num_embeddings}" if self.padded_num_embeddings != self.num_embeddings else ""
         return (
-            f"{self.num_embeddings} ({self.num_embeddings_per_rank} per rank), {self.embedding_dim}, "
+            f"{self.num_embeddings}{padded} ({self.num_embeddings_per_rank} per rank), {self.embedding_dim}, "
             f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
         )

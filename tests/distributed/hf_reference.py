@@ -1,0 +1,59 @@
+"""Tiny random transformers models (no downloads) and comparisons of wrapped vs unwrapped."""
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from tp_reference import assert_close
+
+SEQ, BATCH = 8, 4
+
+
+def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=None):
+    """The same random model on every rank (fixed seed). Vocabularies of Mistral and GPT-2 are
+    odd, so tp=2 exercises vocabulary padding; Mistral's window is shorter than SEQ."""
+    torch.manual_seed(1234)
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             attention_bias=True, attention_dropout=dropout,
+                             tie_word_embeddings=bool(tied))
+        model = LlamaForCausalLM(config)
+    elif kind == "mistral":
+        config = MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               sliding_window=5, attention_dropout=dropout, tie_word_embeddings=bool(tied))
+        model = MistralForCausalLM(config)
+    elif kind == "gpt2":
+        config = GPT2Config(vocab_size=61, n_embd=32, n_layer=num_layers, n_head=4, n_positions=64,
+                            attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,
+                            tie_word_embeddings=True if tied is None else tied)
+        model = GPT2LMHeadModel(config)
+    else:
+        raise ValueError(kind)
+    return model.train()
+
+
+def batch(vocab: int, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    labels[0, 2] = -100  # an ignored label, as HF's loss allows
+    return ids, labels
+
+
+def reference_step(model, ids, labels):
+    """Unwrapped forward/backward: (logits, loss, {hf name: grad}) incl. tied aliases."""
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def assert_grads_match(wrapped_grads, reference_grads, what):
+    assert wrapped_grads, f"{what}: no gradients to compare"
+    for name, grad in wrapped_grads.items():
+        assert name in reference_grads, f"{what}: {name} is not a parameter of the HF model"
+        assert_close(grad, reference_grads[name], f"{what} grad of {name}")
+
+
+def hf_names(model):
+    return set(dict(model.named_parameters(remove_duplicate=False)))

@@ -1,0 +1,115 @@
+"""torchpp.models.parallelize on transformers' Llama, Mistral and GPT-2 equals the unwrapped model:
+logits, loss and every gradient, under tp=2 (with and without sequence parallelism) and
+pp=2 x tp=2 over the pipeline runtime."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchpp
+from torchpp.models import parallelize
+from hf_reference import assert_grads_match, batch, hf_names, reference_step, tiny_model
+from tp_reference import assert_close
+
+TIMEOUT_S = 150
+
+
+def check_tp_equivalence(kind, sequence_parallel):
+    state = torchpp.init_parallel(tp=2, pp=1)
+    model = tiny_model(kind)
+    reference = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    ref_logits, ref_loss, ref_grads = reference_step(reference, ids, labels)
+
+    wrapped = parallelize(model, sequence_parallel=sequence_parallel, state=state)
+    what = f"{kind} tp=2 sp={sequence_parallel}"
+    logits = wrapped(ids)
+    assert_close(wrapped.gather_logits(logits), ref_logits, f"{what} logits")
+    loss = wrapped.step(ids, labels)
+    assert_close(loss, ref_loss, f"{what} loss")
+    grads = wrapped.hf_state_dict(grads=True)
+    # Every HF parameter is accounted for (tied lm_head included).
+    assert set(grads) == hf_names(reference), f"{what}: {set(grads) ^ hf_names(reference)}"
+    assert_grads_match(grads, ref_grads, what)
+    values = wrapped.hf_state_dict()
+    for name, param in reference.named_parameters(remove_duplicate=False):
+        assert torch.equal(values[name], param.detach()), f"{what}: value of {name} changed"
+    return True
+
+
+def check_all_tp():
+    for kind in ("llama", "mistral", "gpt2"):
+        check_tp_equivalence(kind, sequence_parallel=False)
+    check_tp_equivalence("llama", sequence_parallel=True)
+    check_tp_equivalence("gpt2", sequence_parallel=True)
+    return True
+
+
+def check_errors():
+    state = torchpp.init_parallel(tp=2, pp=1)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=1))
+    try:
+        parallelize(odd, state=state)
+    except ValueError as error:
+        assert "num_key_value_heads=1" in str(error) and "tp=2" in str(error), error
+    else:
+        raise AssertionError("tp=2 with one key/value head must raise")
+    try:
+        parallelize(tiny_model("llama"), recompute="sometimes", state=state)
+    except ValueError as error:
+        assert "sometimes" in str(error)
+    else:
+        raise AssertionError("an unknown recompute mode must raise")
+    return True
+
+
+def check_pipeline_equivalence(kind, schedule, recompute, tied):
+    state = torchpp.init_parallel(tp=2, pp=2)
+    model = tiny_model(kind, tied=tied)
+    reference = copy.deepcopy(model)
+    ids, labels = batch(model.config.vocab_size)
+    _, ref_loss, ref_grads = reference_step(reference, ids, labels)
+
+    wrapped = parallelize(model, schedule=schedule, n_microbatches=4, recompute=recompute, state=state)
+    what = f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} rank={dist.get_rank()}"
+    loss = wrapped.step(ids, labels)
+    if wrapped.has_last_stage:
+        assert_close(loss, ref_loss, f"{what} loss")
+    else:
+        assert loss is None
+    grads = wrapped.hf_state_dict(grads=True)
+    assert_grads_match(grads, ref_grads, what)
+    return sorted(grads)
+
+
+def check_all_pipelines():
+    names = []
+    for kind, schedule, recompute, tied in (
+        ("llama", "1f1b", None, False),
+        ("gpt2", "zb-h1", "full", True),  # tied embeddings on different ranks, split B/W
+        ("mistral", "interleaved-1f1b", "selective", False),
+        ("gpt2", "zb-v", "selective", True),  # tied embeddings on the same rank: one copy
+    ):
+        names.append(check_pipeline_equivalence(kind, schedule, recompute, tied))
+    return names
+
+
+def test_tp2_matches_unwrapped_llama_mistral_gpt2(ranks):
+    assert ranks(2).run(check_all_tp, timeout=TIMEOUT_S) == [True, True]
+
+
+def test_clear_errors(ranks):
+    assert ranks(2).run(check_errors, timeout=60) == [True, True]
+
+
+def test_pp2_tp2_pipeline_matches_unwrapped(ranks):
+    per_rank = ranks(4).run(check_all_pipelines, timeout=TIMEOUT_S)
+    for case in range(4):
+        covered = set().union(*(set(names[case]) for names in per_rank))
+        kind = ("llama", "gpt2", "mistral", "gpt2")[case]
+        # The stages together hold every parameter of the model.
+        assert covered == hf_names(tiny_model(kind, tied=case % 2 == 1)), f"case {case}: {covered}"

@@ -1,0 +1,114 @@
+"""Turning Hugging Face projections into TP layers, and their shards back into HF tensors.
+
+Every converted parameter is recorded with the HF state-dict name it came from and how the
+TP shards reassemble into that tensor (``Export``), so a wrapped model can be compared with,
+or saved as, the original.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from torchpp import tensor_parallel as tp
+from torchpp.tensor_parallel.embedding import pad_rows
+
+# Reassembles a parameter of the HF layout from its TP shards (in TP-rank order).
+Unshard = Callable[[List[torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class Export:
+    """One wrapped parameter and the HF tensor it stands for."""
+
+    hf_name: str
+    param: nn.Parameter
+    unshard: Unshard
+
+
+def replicated(shards: List[torch.Tensor]) -> torch.Tensor:
+    return shards[0]
+
+
+def cat_rows(shards: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(shards, dim=0)
+
+
+def cat_columns(shards: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(shards, dim=1)
+
+
+def trimmed_rows(rows: int) -> Unshard:
+    """Concatenated vocabulary shards without the padding rows."""
+    return lambda shards: torch.cat(shards, dim=0)[:rows]
+
+
+def transposed(unshard: Unshard) -> Unshard:
+    """For GPT-2's Conv1D, whose weight is the transpose ([in, out]) of nn.Linear's."""
+    return lambda shards: unshard(shards).t()
+
+
+def linear_from_conv1d(conv: nn.Module) -> nn.Linear:
+    """An nn.Linear computing what transformers' Conv1D (y = x W + b, W [in, out]) computes."""
+    in_features, out_features = conv.weight.shape
+    linear = nn.Linear(in_features, out_features, device="meta")
+    linear.weight = nn.Parameter(conv.weight.detach().t().contiguous())
+    linear.bias = nn.Parameter(conv.bias.detach().clone())
+    return linear
+
+
+def group_fused_qkv(linear: nn.Linear, tp_size: int) -> nn.Linear:
+    """Reorders a fused [q; k; v] projection's rows into [q_0 k_0 v_0; q_1 k_1 v_1; ...] so that
+    TP rank r's row chunk holds its heads of each of q, k and v."""
+
+    def regroup(t: torch.Tensor) -> torch.Tensor:
+        # [3, tp, rows/tp, ...] -> [tp, 3, rows/tp, ...]
+        return t.reshape(3, tp_size, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    grouped = nn.Linear(linear.in_features, linear.out_features, device="meta")
+    grouped.weight = nn.Parameter(regroup(linear.weight.detach()))
+    grouped.bias = nn.Parameter(regroup(linear.bias.detach()))
+    return grouped
+
+
+def ungroup_fused_qkv(tp_size: int) -> Unshard:
+    """Inverse of ``group_fused_qkv`` on the concatenated shards."""
+
+    def unshard(shards: List[torch.Tensor]) -> torch.Tensor:
+        t = torch.cat(shards, dim=0)
+        return t.reshape(tp_size, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    return unshard
+
+
+def padded_linear(linear: nn.Linear, rows: int) -> nn.Linear:
+    """``linear`` with zero output rows appended up to ``rows`` (vocabulary padding)."""
+    if linear.out_features == rows:
+        return linear
+    padded = nn.Linear(linear.in_features, rows, bias=False, device="meta")
+    padded.weight = nn.Parameter(pad_rows(linear.weight.detach(), rows))
+    return padded
+
+
+def column(linear: nn.Linear, **kwargs) -> tp.ColumnParallelLinear:
+    return tp.ColumnParallelLinear.from_linear(linear, **kwargs)
+
+
+def row(linear: nn.Linear, **kwargs) -> tp.RowParallelLinear:
+    return tp.RowParallelLinear.from_linear(linear, input_is_parallel=True, **kwargs)
+
+
+def export_linear(exports: List[Export], layer: nn.Module, hf_prefix: str, weight: Unshard,
+                  bias: Optional[Unshard], conv1d: bool = False) -> None:
+    """Records a TP linear's weight (and bias) under ``hf_prefix.weight`` / ``.bias``."""
+    exports.append(Export(f"{hf_prefix}.weight", layer.weight, transposed(weight) if conv1d else weight))
+    if layer.bias is not None and bias is not None:
+        exports.append(Export(f"{hf_prefix}.bias", layer.bias, bias))
+
+
+def export_module(exports: List[Export], module: nn.Module, hf_prefix: str) -> None:
+    """Records every parameter of a module replicated across TP ranks (norms, positions)."""
+    for name, param in module.named_parameters():
+        exports.append(Export(f"{hf_prefix}.{name}", param, replicated))

@@ -1,0 +1,265 @@
+"""Tensor-parallel decoder pieces that run a Hugging Face causal LM's converted weights.
+
+Activations are batch-first, [b, s, h], as in transformers; with sequence parallelism the
+regions outside attention/MLP hold [b, s/t, h] (sequence dim 1). Rotary tables and causal
+masks are computed inside each pipeline stage from the sequence length, so nothing but the
+hidden states travels between stages.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from torchpp import recompute
+from torchpp import tensor_parallel as tp
+
+SEQUENCE_DIM = 1
+Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+def tp_dropout(x: torch.Tensor, p: float, training: bool, split_over_tp: bool) -> torch.Tensor:
+    """Dropout whose mask differs per TP rank exactly when ``x`` differs per TP rank."""
+    if p == 0.0 or not training:
+        return x
+    with tp.get_rng_tracker().fork() if split_over_tp else contextlib.nullcontext():
+        return F.dropout(x, p, training)
+
+
+def sliding_window_mask(seq_len: int, window: int, device) -> torch.Tensor:
+    """Causal mask that also hides keys ``window`` or more positions back (Mistral)."""
+    positions = torch.arange(seq_len, device=device)
+    distance = positions[:, None] - positions[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
+                   sliding_window: Optional[int]) -> torch.Tensor:
+    """Causal attention of this rank's heads: [b, hq, s, d] x [b, hkv, s, d] -> [b, hq, s, d].
+
+    The piece selective recompute redoes: it holds the s x s scores and probabilities.
+    """
+    seq_len = q.shape[2]
+    mask = None
+    if sliding_window is not None and sliding_window < seq_len:
+        mask = sliding_window_mask(seq_len, sliding_window, q.device)
+    p = dropout if training else 0.0
+    # Heads are split over TP ranks, so attention dropout draws from the per-TP-rank stream.
+    with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, scale=scaling,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+
+class SeparateQKV(nn.Module):
+    """Llama/Mistral: q, k and v column-parallel projections (this rank's heads)."""
+
+    def __init__(self, q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = q_proj, k_proj, v_proj
+
+    def forward(self, x: torch.Tensor):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+class FusedQKV(nn.Module):
+    """GPT-2: one column-parallel projection whose rank-local output is [q_r, k_r, v_r]."""
+
+    def __init__(self, c_attn: nn.Module):
+        super().__init__()
+        self.c_attn = c_attn
+
+    def forward(self, x: torch.Tensor):
+        return self.c_attn(x).chunk(3, dim=-1)
+
+
+class ParallelSelfAttention(nn.Module):
+    """Self-attention over this rank's heads: projections by column, output by row.
+
+    Args:
+        qkv: module returning this rank's (q, k, v) projections of the input.
+        out_proj: RowParallelLinear back to the hidden size.
+        num_heads: this rank's query heads.
+        num_kv_heads: this rank's key/value heads (GQA: fewer than num_heads).
+        head_dim: size of one head.
+        scaling: softmax scale of the scores.
+        dropout: attention-probability dropout.
+        apply_rope: ``apply_rope(q, k, cos, sin)`` for rotary models; None otherwise.
+        sliding_window: Mistral's window (keys further back are masked), or None.
+        recompute_core: recompute the attention core in backward (selective recompute).
+    """
+
+    def __init__(self, qkv: nn.Module, out_proj: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scaling: float, dropout: float = 0.0, apply_rope: Optional[Callable] = None,
+                 sliding_window: Optional[int] = None, recompute_core: bool = False):
+        super().__init__()
+        self.qkv = qkv
+        self.out_proj = out_proj
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scaling, self.dropout = scaling, dropout
+        self.apply_rope = apply_rope
+        self.sliding_window = sliding_window
+        self.recompute_core = recompute_core
+
+    def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:  # [b, s, n*d] -> [b, n, s, d]
+        return t.view(t.shape[0], t.shape[1], heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        q, k, v = self.qkv(x)  # full sequence even under SP: the column layers all-gathered it
+        q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
+        if self.apply_rope is not None:
+            q, k = self.apply_rope(q, k, *rope)
+        options = dict(scaling=self.scaling, dropout=self.dropout, training=self.training,
+                       sliding_window=self.sliding_window)
+        if self.recompute_core:
+            core = recompute.checkpoint(attention_core, q, k, v, **options)
+        else:
+            core = attention_core(q, k, v, **options)
+        return self.out_proj(core.transpose(1, 2).flatten(2))
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim} (per rank), "
+                f"sliding_window={self.sliding_window}, recompute_core={self.recompute_core}")
+
+
+class GatedMLP(nn.Module):
+    """Llama/Mistral MLP: down(act(gate(x)) * up(x)), gate/up by column, down by row."""
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: Callable):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act = gate_proj, up_proj, down_proj, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLP(nn.Module):
+    """GPT-2 MLP: c_proj(act(c_fc(x))), c_fc by column, c_proj by row."""
+
+    def __init__(self, c_fc: nn.Module, c_proj: nn.Module, act: Callable):
+        super().__init__()
+        self.c_fc, self.c_proj, self.act = c_fc, c_proj, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: x + drop(attn(norm1(x))), then + drop(mlp(norm2(x))).
+
+    Args:
+        norm1, norm2: the HF block's norms (copied, replicated over TP).
+        attention: ParallelSelfAttention.
+        mlp: GatedMLP or MLP.
+        dropout: residual dropout (GPT-2's resid_pdrop; 0 for Llama/Mistral).
+        sequence_parallel: the residual stream is this rank's sequence slice.
+    """
+
+    def __init__(self, norm1: nn.Module, attention: nn.Module, norm2: nn.Module, mlp: nn.Module,
+                 dropout: float = 0.0, sequence_parallel: bool = False):
+        super().__init__()
+        self.norm1, self.attention, self.norm2, self.mlp = norm1, attention, norm2, mlp
+        self.dropout = dropout
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:  # norms see a sequence slice: their gradients are partial per TP rank
+            tp.mark_sequence_parallel(norm1)
+            tp.mark_sequence_parallel(norm2)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        drop = lambda y: tp_dropout(y, self.dropout, self.training, self.sequence_parallel)  # noqa: E731
+        x = x + drop(self.attention(self.norm1(x), rope))
+        return x + drop(self.mlp(self.norm2(x)))
+
+
+class ParallelTokenEmbedding(nn.Module):
+    """Vocab-parallel token embedding, plus learned positions (GPT-2) and dropout.
+
+    Args:
+        tokens: VocabParallelEmbedding.
+        positions: nn.Embedding of positions, or None (rotary models).
+        dropout: embedding dropout.
+        sequence_parallel: return this rank's sequence slice.
+    """
+
+    def __init__(self, tokens: tp.VocabParallelEmbedding, positions: Optional[nn.Embedding] = None,
+                 dropout: float = 0.0, sequence_parallel: bool = False):
+        super().__init__()
+        self.tokens, self.positions = tokens, positions
+        self.dropout = dropout
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel and positions is not None:
+            tp.mark_sequence_parallel(positions)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.tokens(input_ids)
+        if self.positions is not None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            if self.sequence_parallel:  # this rank's slice of the sequence
+                group = self.tokens.group
+                positions = positions.chunk(group.size())[dist.get_rank(group)]
+            hidden = hidden + self.positions(positions).unsqueeze(0)
+        return tp_dropout(hidden, self.dropout, self.training, self.sequence_parallel)
+
+
+class ParallelLMHead(nn.Module):
+    """Final norm and the vocab-parallel output layer; returns this rank's logits [b, s, V/t]."""
+
+    def __init__(self, norm: nn.Module, output: tp.ColumnParallelLinear, sequence_parallel: bool = False):
+        super().__init__()
+        self.norm, self.output = norm, output
+        if sequence_parallel:
+            tp.mark_sequence_parallel(norm)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(hidden))
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline stage of a wrapped causal LM: [embedding], blocks, [norm + head].
+
+    Takes token ids [b, s] (first stage) or hidden states [b, s(/t), h] and returns hidden
+    states, or this rank's vocabulary slice of the logits on the last stage.
+
+    Args:
+        embedding: ParallelTokenEmbedding on the first stage, else None.
+        blocks: this stage's DecoderBlocks.
+        head: ParallelLMHead on the last stage, else None.
+        rotary: the HF rotary-embedding module (rotary models), else None.
+        sequence_parallel: hidden states between blocks are sequence slices.
+        tp_size: the TP size (the full sequence is tp_size slices under SP).
+        recompute: None, "full" (checkpoint every block) or "selective" (set on the blocks).
+    """
+
+    def __init__(self, embedding: Optional[nn.Module], blocks, head: Optional[nn.Module],
+                 rotary: Optional[nn.Module] = None, sequence_parallel: bool = False, tp_size: int = 1,
+                 recompute: Optional[str] = None):
+        super().__init__()
+        self.embedding = embedding
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+        self.rotary = rotary
+        self.sequence_parallel = sequence_parallel
+        self.tp_size = tp_size
+        self.recompute = recompute
+
+    def _rope(self, hidden: torch.Tensor) -> Rope:
+        if self.rotary is None:
+            return None
+        seq_len = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
+        positions = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+        return self.rotary(hidden, positions)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        rope = self._rope(x)
+        for block in self.blocks:
+            x = recompute.checkpoint(block, x, rope) if self.recompute == "full" else block(x, rope)
+        if self.head is not None:
+            x = self.head(x)
+        return x

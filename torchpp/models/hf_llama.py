@@ -1,0 +1,80 @@
+"""Converting transformers' LlamaForCausalLM / MistralForCausalLM into TP stage pieces."""
+from __future__ import annotations
+
+import copy
+import sys
+
+from torch import nn
+
+from torchpp import tensor_parallel as tp
+from torchpp.models import hf_convert as C
+from torchpp.models.hf_layers import (
+    DecoderBlock, GatedMLP, ParallelLMHead, ParallelSelfAttention, ParallelTokenEmbedding, SeparateQKV,
+)
+
+
+class LlamaFamily:
+    """Llama-style decoder (RMSNorm, rotary, GQA, gated MLP); Mistral adds a sliding window.
+
+    Args:
+        model: the HF causal LM (left untouched; its tensors are copied into shards).
+        ctx: the shared conversion context (``hf.ConversionContext``).
+    """
+
+    def __init__(self, model: nn.Module, ctx):
+        self.model, self.ctx, self.config = model, ctx, model.config
+        config = self.config
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = config.vocab_size
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        heads, kv_heads, t = config.num_attention_heads, config.num_key_value_heads, ctx.tp_size
+        if heads % t or kv_heads % t:
+            raise ValueError(
+                f"torchpp.parallelize: tp={t} must divide num_attention_heads={heads} and "
+                f"num_key_value_heads={kv_heads} (each TP rank holds whole query and key/value heads)"
+            )
+        # apply_rotary_pos_emb of the model's own modeling module, so its RoPE variant is kept.
+        self._apply_rope = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+
+    def rotary(self) -> nn.Module:
+        return copy.deepcopy(self.model.model.rotary_emb)
+
+    def embedding(self) -> ParallelTokenEmbedding:
+        tokens = tp.VocabParallelEmbedding.from_embedding(self.model.model.embed_tokens, pad_vocab=True, **self.ctx.embedding_kwargs)
+        self.ctx.exports.append(C.Export("model.embed_tokens.weight", tokens.weight, C.trimmed_rows(self.vocab_size)))
+        return ParallelTokenEmbedding(tokens, sequence_parallel=self.ctx.sequence_parallel)
+
+    def block(self, index: int) -> DecoderBlock:
+        ctx, layer, prefix = self.ctx, self.model.model.layers[index], f"model.layers.{index}"
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = (C.column(getattr(attn, n), **ctx.linear_kwargs) for n in ("q_proj", "k_proj", "v_proj"))
+        o = C.row(attn.o_proj, **ctx.linear_kwargs)
+        for name, proj in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            C.export_linear(ctx.exports, proj, f"{prefix}.self_attn.{name}", C.cat_rows, C.cat_rows)
+        C.export_linear(ctx.exports, o, f"{prefix}.self_attn.o_proj", C.cat_columns, C.replicated)
+        t, config = ctx.tp_size, self.config
+        attention = ParallelSelfAttention(
+            SeparateQKV(q, k, v), o,
+            num_heads=config.num_attention_heads // t, num_kv_heads=config.num_key_value_heads // t,
+            head_dim=attn.head_dim, scaling=attn.scaling, dropout=config.attention_dropout,
+            apply_rope=self._apply_rope, sliding_window=getattr(config, "sliding_window", None),
+            recompute_core=ctx.recompute == "selective",
+        )
+        gate, up = C.column(mlp.gate_proj, **ctx.linear_kwargs), C.column(mlp.up_proj, **ctx.linear_kwargs)
+        down = C.row(mlp.down_proj, **ctx.linear_kwargs)
+        C.export_linear(ctx.exports, gate, f"{prefix}.mlp.gate_proj", C.cat_rows, C.cat_rows)
+        C.export_linear(ctx.exports, up, f"{prefix}.mlp.up_proj", C.cat_rows, C.cat_rows)
+        C.export_linear(ctx.exports, down, f"{prefix}.mlp.down_proj", C.cat_columns, C.replicated)
+        norm1, norm2 = copy.deepcopy(layer.input_layernorm), copy.deepcopy(layer.post_attention_layernorm)
+        C.export_module(ctx.exports, norm1, f"{prefix}.input_layernorm")
+        C.export_module(ctx.exports, norm2, f"{prefix}.post_attention_layernorm")
+        return DecoderBlock(norm1, attention, norm2, GatedMLP(gate, up, down, mlp.act_fn),
+                            sequence_parallel=ctx.sequence_parallel)
+
+    def head(self) -> ParallelLMHead:
+        ctx = self.ctx
+        norm = copy.deepcopy(self.model.model.norm)
+        C.export_module(ctx.exports, norm, "model.norm")
+        output = C.column(C.padded_linear(self.model.lm_head, ctx.padded_vocab(self.vocab_size)), **ctx.linear_kwargs)
+        ctx.exports.append(C.Export("lm_head.weight", output.weight, C.trimmed_rows(self.vocab_size)))
+        return ParallelLMHead(norm, output, ctx.sequence_parallel)
