@@ -23,6 +23,11 @@ class _Segment:
     shard_view: torch.nn.Parameter  # the optimizer's leaf: a view of this rank's part of it
     flat_lo: int
     flat_hi: int
+    param_lo: int = 0  # where the segment starts in the flattened parameter (for checkpoints)
+
+    @property
+    def param_hi(self) -> int:
+        return self.param_lo + self.flat_hi - self.flat_lo
 
 
 class _FlatGroup:
@@ -58,7 +63,7 @@ class _FlatGroup:
                 continue
             view = torch.nn.Parameter(self.flat_param[a:b], requires_grad=True)  # shares storage
             view.grad = self.grad_shard[a - lo : b - lo]
-            segments.append(_Segment(param, view, a, b))
+            segments.append(_Segment(param, view, a, b, param_lo=a - start))
         return segments
 
     def restore_grad_views(self) -> None:

@@ -1,0 +1,167 @@
+"""save_checkpoint / load_checkpoint: a PTD-P training state through torch.distributed.checkpoint.
+
+One checkpoint is one DCP directory. Keys (all layout-independent):
+    model.{name}              parameter: DTensor of its TP shard (Shard(partition_dim) over
+                              "tp", Replicate over "dp": DCP writes each replica once)
+    optim.{name}.{key}        optimizer state (see torchpp.checkpoint.optimizer)
+    hparams.{name}            the param group options of the parameter
+    rng.pp{p}.tp{t}.dp{d}     per-rank RNG states (see torchpp.checkpoint.rng)
+    meta                      {"step": int, "extra": user object}
+where {name} is the parameter's name in the unsharded, one-process model.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from torchpp.checkpoint import directory
+from torchpp.checkpoint.chunks import ChunkedTensor
+from torchpp.checkpoint.layout import ModelLike, as_dtensor, named_parameters, tp_partition
+from torchpp.checkpoint.optimizer import optimizer_entries, optimizer_targets
+from torchpp.checkpoint.planner import ChunkedLoadPlanner, ChunkedSavePlanner
+from torchpp.checkpoint.rng import capture_rng, restore_rng, rng_key, source_key
+from torchpp.parallel.groups import ParallelState, get_parallel_state
+
+MODEL_PREFIX = "model."
+META = "meta"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What load_checkpoint restored.
+
+    Attributes:
+        path: the checkpoint directory read.
+        step: the step passed to save_checkpoint.
+        extra: the `extra` object passed to save_checkpoint.
+        rng_restored: False when the layout's tp or pp changed, so RNG streams were left as is.
+    """
+
+    path: str
+    step: int
+    extra: Any
+    rng_restored: bool
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """Runs fn on global rank 0 and returns its result on every rank; its error raises everywhere."""
+    box = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except Exception as error:  # noqa: BLE001 (re-raised on every rank below)
+            box[1] = f"{type(error).__name__}: {error}"
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise RuntimeError(f"torchpp.checkpoint: rank 0 failed: {box[1]}")
+    return box[0]
+
+
+def _model_entries(params, state: ParallelState) -> Dict[str, Any]:
+    return {MODEL_PREFIX + name: as_dtensor(p.detach(), tp_partition(p, state), state) for name, p in params.items()}
+
+
+def save_checkpoint(
+    root: str,
+    step: int,
+    model: ModelLike,
+    optimizer=None,
+    *,
+    extra: Any = None,
+    state: Optional[ParallelState] = None,
+) -> str:
+    """Saves this rank's part of the training state to `root/step_{step}`, atomically.
+
+    Collective: every rank of the world calls it with its own model part. Files are written
+    to `root/step_{step}.tmp`; after all ranks finished, rank 0 renames the directory and
+    points `root/latest` at it. An error or crash before that leaves the previous checkpoint
+    as `latest`. `root` must be one directory all ranks see (a shared file system).
+
+    Args:
+        root: directory of checkpoints.
+        step: the training step (names the directory; each step is saved once).
+        model: the module this rank holds, or {global name: parameter} for a pipeline stage
+            (see stage_parameters), so names are those of the unsharded model.
+        optimizer: a torch.optim optimizer or a torchpp ZeroRedundancyOptimizer over `model`.
+        extra: any picklable object, equal on every rank (data position, LR scheduler state).
+        state: the parallel layout (default: the one from torchpp.init_parallel).
+
+    Returns:
+        The committed checkpoint directory.
+    """
+    state = state or get_parallel_state()
+    params = named_parameters(model)
+    entries = _model_entries(params, state)
+    chunked: Dict[str, ChunkedTensor] = {}
+    if optimizer is not None:
+        plain, chunked = optimizer_entries(optimizer, params, state)
+        entries.update(plain)
+    entries[rng_key(state.pp_rank, state.tp_rank, state.dp_rank)] = capture_rng()
+    entries[META] = {"step": step, "extra": extra}
+    tmp = _on_rank0(lambda: directory.prepare(root, step))
+    dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkedSavePlanner(chunked))
+    dist.barrier()  # every rank's files are complete before the rename makes them the checkpoint
+    return _on_rank0(lambda: directory.commit(root, step))
+
+
+@torch.no_grad()
+def load_checkpoint(
+    root: str,
+    model: ModelLike,
+    optimizer=None,
+    *,
+    step: Optional[int] = None,
+    state: Optional[ParallelState] = None,
+) -> LoadedCheckpoint:
+    """Loads a checkpoint into this rank's model part (and optimizer), in place.
+
+    The saving run's (tp, pp, dp) and ZeRO-1 use need not match this one: every tensor is read
+    as this rank's part of the unsharded tensor. Collective over the world.
+
+    Args:
+        root: directory of checkpoints (as given to save_checkpoint).
+        model: the module this rank holds, or {global name: parameter} (see stage_parameters).
+        optimizer: a torch.optim optimizer or ZeroRedundancyOptimizer over `model`; its state
+            is replaced by the saved one (parameters without saved state keep none).
+        step: which step to load; default: the one `root/latest` names.
+        state: the parallel layout (default: the one from torchpp.init_parallel).
+
+    Returns:
+        A LoadedCheckpoint with the step, the `extra` object and whether RNG was restored.
+    """
+    state = state or get_parallel_state()
+    path = directory.step_dir(root, step) if step is not None else directory.latest_checkpoint(root)
+    if path is None:
+        raise FileNotFoundError(f"torchpp.checkpoint: no committed checkpoint in {root} (no 'latest' file)")
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    params = named_parameters(model)
+    missing = [name for name in params if MODEL_PREFIX + name not in metadata.state_dict_metadata]
+    if missing:
+        raise KeyError(f"torchpp.checkpoint: {path} has no parameters {missing}")
+    entries = _model_entries(params, state)
+    chunked: Dict[str, ChunkedTensor] = {}
+    targets = None
+    if optimizer is not None:
+        targets = optimizer_targets(optimizer, params, state, metadata)
+        entries.update(targets.plain)
+        chunked = targets.chunked
+    rng = source_key(metadata.state_dict_metadata, state)
+    if rng is not None:
+        entries[rng] = None
+    entries[META] = None
+    dcp.load(entries, storage_reader=reader, planner=ChunkedLoadPlanner(chunked))
+    if targets is not None:
+        targets.plain.update({k: entries[k] for k in targets.plain})  # objects were read into `entries`
+        targets.install(optimizer)
+    if rng is not None:
+        restore_rng(entries[rng])
+    else:
+        warnings.warn(f"torchpp.checkpoint: {path} was saved under another tp or pp; RNG states were not restored")
+    meta = entries[META]
+    return LoadedCheckpoint(path=path, step=meta["step"], extra=meta["extra"], rng_restored=rng is not None)

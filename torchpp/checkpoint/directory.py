@@ -1,0 +1,69 @@
+"""Checkpoint directories that are committed atomically.
+
+A save writes `root/step_N.tmp/`; only once every rank has finished does rank 0 rename it to
+`root/step_N/` and replace `root/latest` (a file naming the directory) with os.replace. A
+save that dies at any point before that leaves `latest` naming the previous, complete
+checkpoint; a stale `.tmp` directory is deleted by the next save of that step. A committed
+step is never overwritten.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+LATEST = "latest"
+TMP_SUFFIX = ".tmp"
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step}")
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The directory `root/latest` names, or None when nothing was committed yet.
+
+    Args:
+        root: the directory holding step_N checkpoints.
+    """
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return os.path.join(root, name)
+
+
+def prepare(root: str, step: int) -> str:
+    """Creates an empty `step_N.tmp` (removing a crashed save's leftovers); returns its path."""
+    final = step_dir(root, step)
+    if os.path.exists(final):  # replacing it could not be atomic: `latest` may name it
+        raise FileExistsError(f"torchpp.checkpoint: {final} already exists; save each step once")
+    tmp = final + TMP_SUFFIX
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    return tmp
+
+
+def commit(root: str, step: int) -> str:
+    """Renames `step_N.tmp` to `step_N` and points `latest` at it; returns the final path."""
+    final, tmp = step_dir(root, step), step_dir(root, step) + TMP_SUFFIX
+    os.rename(tmp, final)
+    pointer = os.path.join(root, LATEST + TMP_SUFFIX)
+    with open(pointer, "w") as f:
+        f.write(os.path.basename(final) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, os.path.join(root, LATEST))
+    _fsync_dir(root)
+    return final
+
+
+def _fsync_dir(path: str) -> None:
+    # Makes the renames durable across a power loss, not only a process crash.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,86 @@
+"""Where a parameter's local tensor sits in the unsharded model: global names and TP shards.
+
+Checkpoint keys are the parameter names of the one-process model, and every tensor is saved
+as its part of the unsharded tensor, so the same files load under any (tp, pp, dp).
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from torchpp.parallel.groups import ParallelState
+
+ModelLike = Union[nn.Module, Mapping[str, nn.Parameter]]
+
+
+def stage_parameters(stage: nn.Module, *, full_model: Optional[nn.Module] = None, first_layer: int = 0) -> Dict[str, nn.Parameter]:
+    """A pipeline stage's parameters under their names in the unsharded model.
+
+    Args:
+        stage: the stage's module (e.g. one part returned by torchpp.pipeline.split_model).
+        full_model: the model the stage was cut from (its modules are shared with the stage);
+            names are looked up by identity. Works for any split, nested ones included.
+        first_layer: without full_model, the stage is taken to be layers
+            [first_layer, first_layer + len(stage)) of a top-level nn.Sequential (such as
+            torchpp.models.gpt.GPT): a local name "i.rest" becomes "{first_layer + i}.rest".
+
+    Returns:
+        {global name: parameter}, in the stage's order.
+    """
+    if full_model is not None:
+        name_of = {id(p): name for name, p in full_model.named_parameters()}
+        missing = [name for name, p in stage.named_parameters() if id(p) not in name_of]
+        if missing:
+            raise KeyError(f"torchpp.checkpoint: stage parameters {missing} are not parameters of full_model")
+        return {name_of[id(p)]: p for _, p in stage.named_parameters()}
+    named = {}
+    for name, param in stage.named_parameters():
+        index, _, rest = name.partition(".")
+        if not index.isdigit():
+            raise ValueError(
+                f"torchpp.checkpoint: stage parameter {name!r} is not under a numbered layer; pass full_model="
+            )
+        named[f"{first_layer + int(index)}.{rest}"] = param
+    return named
+
+
+def named_parameters(model: ModelLike) -> Dict[str, nn.Parameter]:
+    """{global name: parameter} of a whole model, or the mapping itself (see stage_parameters)."""
+    if isinstance(model, nn.Module):
+        return dict(model.named_parameters())
+    return dict(model)
+
+
+def tp_partition(param: torch.Tensor, state: ParallelState) -> Optional[int]:
+    """The dim along which `param` is split over the TP group, or None when replicated."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    if param.tp_size != state.tp:
+        raise ValueError(
+            f"torchpp.checkpoint: a parameter of shape {tuple(param.shape)} is split over {param.tp_size} ranks, "
+            f"but the TP group has {state.tp}"
+        )
+    return param.partition_dim
+
+
+def global_shape_and_offset(local: torch.Tensor, dim: Optional[int], state: ParallelState) -> Tuple[torch.Size, Tuple[int, ...]]:
+    """Shape of the unsharded tensor and where this rank's TP shard starts in it."""
+    shape, offset = list(local.shape), [0] * local.dim()
+    if dim is not None:
+        offset[dim] = state.tp_rank * shape[dim]
+        shape[dim] *= state.tp
+    return torch.Size(shape), tuple(offset)
+
+
+def as_dtensor(local: torch.Tensor, dim: Optional[int], state: ParallelState) -> DTensor:
+    """`local` (sharing its storage) as a DTensor over this stage's ("dp", "tp") mesh:
+    Shard(dim) over tp (Replicate when dim is None), Replicate over dp."""
+    mesh = state.mesh["dp", "tp"]
+    placements = [Replicate(), Replicate() if dim is None else Shard(dim)]
+    shape, _ = global_shape_and_offset(local, dim, state)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
