@@ -18,6 +18,7 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     recompute: str = "none",
     element_bytes: int = 2,
+    mask_bytes: int = 1,
 ) -> float:
     """Bytes one transformer layer keeps alive for backward, for one microbatch.
 
@@ -27,19 +28,21 @@ def layer_activation_bytes(
         sequence_parallel: LayerNorm/dropout regions split over t as well (Megatron-3 SP).
         recompute: "none", "selective" (attention core recomputed) or "full" (keep the input).
         element_bytes: E, bytes per activation element (2 for 16-bit, 4 for fp32).
+        mask_bytes: bytes per dropout-mask element: 1 for a bool mask (fused GPU kernels),
+            E where dropout keeps a scaled float mask (PyTorch's CPU path).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    s, b, h, a, t, e = seq_len, micro_batch, hidden, heads, tp, element_bytes
+    s, b, h, a, t, e, k = seq_len, micro_batch, hidden, heads, tp, element_bytes, mask_bytes
     sbh = s * b * h
     if recompute == "full":
         return e * sbh / (t if sequence_parallel else 1)
     # LayerNorm inputs, the QKV and first-MLP inputs and two dropout masks: replicated over TP
     # unless sequence parallel splits them.
-    replicated = (4 * e + 2) * sbh
+    replicated = (4 * e + 2 * k) * sbh
     # Q, K, V, the projection input and both MLP hiddens (4h wide): split over TP.
     split = 12 * e * sbh
-    attention_core = (2 * e + 1) * a * s * s * b  # softmax output, its dropout mask and output
+    attention_core = (2 * e + k) * a * s * s * b  # softmax output, its dropout mask and output
     if recompute == "selective":
         attention_core = 0.0
     if sequence_parallel:

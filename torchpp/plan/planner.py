@@ -217,13 +217,12 @@ def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: L
         activations = peaks[rank] * layers_per_stage * act_layer + (logits if rank == last_rank else 0.0)
         memory.append(state + activations)
 
-    compute = layout.num_microbatches * sum(
-        layers_per_stage * (f_layer + i_layer + w_layer) / flops_rate for _ in range(v))
+    work_per_rank = layout.num_microbatches * (sum(f) + sum(i) + sum(w)) / p
     tp_comm = layout.num_microbatches * v * layers_per_stage * (4 + recompute_allreduces) * tp_allreduce
     breakdown = {
-        "compute": compute,
+        "compute": work_per_rank - tp_comm,
         "tp_comm": tp_comm,
-        "pipeline_idle": makespan - compute - tp_comm,  # bubble + exposed sends + head imbalance
+        "pipeline_idle": makespan - work_per_rank,  # bubble, exposed sends, the head's extra stage load
         "dp_sync": dp_sync,
     }
     return Candidate(layout, makespan + dp_sync, bubble, max(memory), breakdown)

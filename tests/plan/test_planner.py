@@ -1,0 +1,61 @@
+"""Planner: impossible requests, budgets, rules of thumb, stable output."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from torchpp.plan import PRESETS, Cluster, PlanError, Profile, Training, partition, plan, profile
+from torchpp.plan.__main__ import main
+
+
+def test_rejects_model_larger_than_all_memory():
+    with pytest.raises(PlanError, match=r"174\.6B parameters .* 2793 GB .* 8 GPUs x 80 GB = 640 GB"):
+        plan(PRESETS["gpt3-175b"], Cluster(8, 80e9), Training(64, 2048))
+
+
+def test_cli_reports_impossible_request(capsys):
+    assert main(["--model", "gpt3-175b", "--gpus", "8", "--global-batch", "64", "--seq-len", "2048"]) == 2
+    assert "more than all memory" in capsys.readouterr().err
+
+
+def test_every_ranked_layout_fits_and_is_sorted():
+    result = plan(PRESETS["gpt-1.3b"], Cluster(16, 24e9), Training(128, 2048))
+    assert all(c.memory_per_gpu <= 24e9 for c in result.ranked)
+    assert result.rejected.get("out of memory", 0) > 0  # the budget did bite
+    times = [c.step_time for c in result.ranked]
+    assert times == sorted(times)
+
+
+def test_tensor_parallel_stays_inside_a_node_and_pipeline_crosses_nodes():
+    cluster = Cluster(96, 80e9, gpus_per_node=8)
+    best = plan(PRESETS["gpt3-175b"], cluster, Training(1536, 2048)).best.layout
+    assert best.tp <= 8 and 8 % best.tp == 0
+    assert best.pp > 1 and best.tp * best.pp * best.dp == 96  # 175B needs a pipeline across nodes
+
+
+def test_slower_inter_node_links_push_tensor_parallel_into_the_node():
+    slow = plan(PRESETS["gpt-13b"], Cluster(32, 40e9, inter_node_bandwidth=5e9), Training(512, 2048)).best.layout
+    assert slow.tp <= 8 and 8 % slow.tp == 0
+
+
+def test_cli_output_is_stable():
+    args = [sys.executable, "-m", "torchpp.plan", "--model", "gpt2-small", "--gpus", "16", "--gpu-memory", "16GB",
+            "--global-batch", "256", "--seq-len", "1024", "--top", "5"]
+    first, second = (subprocess.run(args, capture_output=True, text=True, check=True).stdout for _ in range(2))
+    assert first == second and "Why #1 wins" in first
+
+
+def test_partition_of_a_fixed_profile_is_stable():
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32 * (k % 3 + 1)), nn.Linear(32 * (k % 3 + 1), 32))
+                             for k in range(8)])
+    measured = profile(blocks, torch.randn(16, 32), repeats=3)
+    assert all(layer.forward_s > 0 and layer.input_grad_s > 0 and layer.weight_grad_s > 0 for layer in measured.layers)
+    assert measured.parameter_bytes[0] == sum(p.numel() * 4 for p in blocks[0].parameters())
+    assert all(saved > 0 for saved in measured.saved_bytes)
+    frozen = Profile.from_json(measured.to_json())
+    splits = [partition(frozen, 3, memory_budget=1e6, inflight=[3, 2, 1]) for _ in range(3)]
+    assert all(split == splits[0] for split in splits)
+    assert max(splits[0].rank_memory) <= 1e6
