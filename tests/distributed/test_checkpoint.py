@@ -126,24 +126,45 @@ def _resume_two_steps(root, tp_size, zero):
     return _train(state, model, optimizer, reducer, range(2, 4))
 
 
-def _check_pipeline_stage(root, reference):
+def _held_state(optimizer, params):
+    """(parameter, flat range it updates, its state) for everything `optimizer` updates."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return [(s.param, s.param_lo, s.param_lo + s.shard_view.numel(), optimizer.optimizer.state[s.shard_view]) for s in optimizer.segments]
+    return [(p, 0, p.numel(), optimizer.state[p]) for p in params]
+
+
+def _check_pipeline_stage(root, reference, tp_size, zero):
     """Loads into pp=2 (a GPT cut by split_model): every parameter and Adam state equals the
-    one-process run's after step 2."""
-    state = init_parallel(tp=1, pp=2)
-    tp.model_parallel_manual_seed(99, tp_rank=0, pp_rank=state.pp_rank)
+    one-process run's after step 2 (its TP shard, and under ZeRO its flat segment)."""
+    state = init_parallel(tp=tp_size, pp=2)
+    what = f"pp=2 tp={tp_size} zero={zero}"
+    tp.model_parallel_manual_seed(99, tp_rank=state.tp_rank, pp_rank=state.pp_rank)
     full = GPT(EXACT, group=state.tp_group).double()
     parts = split_model(full, 2)
     stage = parts[state.pp_rank]
     params = stage_parameters(stage, full_model=full)
     first_layer = 0 if state.is_first_stage else len(parts[0])
     assert list(stage_parameters(stage, first_layer=first_layer)) == list(params)
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=LR)
+    if zero:
+        optimizer = ZeroRedundancyOptimizer(stage.parameters(), torch.optim.AdamW, state.dp_group, lr=LR)
+    else:
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=LR)
     load_checkpoint(root, params, optimizer)
+
+    def local(name, param, key):  # this rank's TP shard of the reference tensor
+        want = reference[name][key]
+        return want.chunk(tp_size, param.partition_dim)[state.tp_rank] if getattr(param, "tensor_model_parallel", False) else want
+
+    name_of = {id(p): n for n, p in params.items()}
     for name, param in params.items():
-        want = reference[name]
-        assert_close(param.detach(), want["param"], f"pp=2 {name}")
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert_close(optimizer.state[param][key], want[key], f"pp=2 {name} {key}")
+        assert_close(param.detach(), local(name, param, "param"), f"{what} {name}")
+    held = _held_state(optimizer, params.values())
+    assert {name_of[id(p)] for p, *_ in held} == set(params), what
+    for param, lo, hi, got in held:
+        name = name_of[id(param)]
+        assert_close(got["step"], reference[name]["step"], f"{what} {name} step")
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close(got[key].reshape(-1), local(name, param, key).reshape(-1)[lo:hi], f"{what} {name} {key}")
     return sorted(params), sorted(name for name, _ in full.named_parameters())
 
 
@@ -158,7 +179,7 @@ def check_layout_change(root):
         what = f"saved tp={save_tp} zero={save_zero}, loaded tp={load_tp} zero={load_zero}"
         assert_close(torch.cat([first, second]), ref_losses, what)
         runs.append(path)
-    return _check_pipeline_stage(runs[1], ref_snapshot)  # saved at dp=2 with ZeRO-1
+    return _check_pipeline_stage(runs[1], ref_snapshot, tp_size=1, zero=False)  # saved at dp=2 with ZeRO-1
 
 
 def test_layout_changing_reload(ranks, tmp_path):
@@ -244,6 +265,22 @@ def check_interrupted_save(root):
 
 def test_interrupted_save_keeps_previous_checkpoint(ranks, tmp_path):
     assert ranks(2).run(check_interrupted_save, str(tmp_path), timeout=TIMEOUT) == [True] * 2
+
+
+def check_layout_change_tp_and_zero(root):
+    """TP and ZeRO-1 together: saved at tp=2 x dp=2 with ZeRO-1, every rank a different
+    segment of a different TP shard."""
+    ref_losses, ref_snapshot = _reference()
+    first = _save_after_two_steps(root, 2, True)
+    for load_tp, load_zero in ((1, True), (4, False)):
+        second = _resume_two_steps(root, load_tp, load_zero)
+        assert_close(torch.cat([first, second]), ref_losses, f"saved tp=2 dp=2 zero, loaded tp={load_tp} zero={load_zero}")
+    _check_pipeline_stage(root, ref_snapshot, tp_size=2, zero=True)
+    return True
+
+
+def test_layout_changing_reload_tp_and_zero(ranks, tmp_path):
+    assert ranks(4).run(check_layout_change_tp_and_zero, str(tmp_path), timeout=TIMEOUT) == [True] * 4
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (3, 4), (2, 3, 4)])

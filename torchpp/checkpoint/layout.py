@@ -5,6 +5,7 @@ as its part of the unsharded tensor, so the same files load under any (tp, pp, d
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
@@ -78,9 +79,14 @@ def global_shape_and_offset(local: torch.Tensor, dim: Optional[int], state: Para
 def as_dtensor(local: torch.Tensor, dim: Optional[int], state: ParallelState) -> DTensor:
     """`local` (sharing its storage) as a DTensor over this stage's ("dp", "tp") mesh:
     Shard(dim) over tp (Replicate when dim is None), Replicate over dp."""
-    mesh = state.mesh["dp", "tp"]
+    mesh = _dp_tp_mesh(state.mesh)
     placements = [Replicate(), Replicate() if dim is None else Shard(dim)]
     shape, _ = global_shape_and_offset(local, dim, state)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
+
+
+@functools.lru_cache(maxsize=8)
+def _dp_tp_mesh(mesh):
+    return mesh["dp", "tp"]  # this pipeline stage's slice of the ("pp", "dp", "tp") mesh

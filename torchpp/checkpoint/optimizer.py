@@ -142,7 +142,9 @@ def optimizer_targets(optimizer, params: Mapping[str, nn.Parameter], state: Para
             if isinstance(md, BytesStorageMetadata):
                 targets.plain[fqn] = None
             elif _is_per_element(md, leaf, state):
-                local = torch.empty_like(leaf.tensor, dtype=md.properties.dtype, memory_format=torch.contiguous_format)
+                # Like Optimizer.load_state_dict: floating state takes the parameter's dtype.
+                dtype = leaf.param.dtype if leaf.param.is_floating_point() else md.properties.dtype
+                local = torch.empty_like(leaf.tensor, dtype=dtype, memory_format=torch.contiguous_format)
                 entry, is_chunked = _per_element(leaf, local, state)
                 (targets.chunked if is_chunked else targets.plain)[fqn] = entry
             else:

@@ -25,10 +25,6 @@ class _Segment:
     flat_hi: int
     param_lo: int = 0  # where the segment starts in the flattened parameter (for checkpoints)
 
-    @property
-    def param_hi(self) -> int:
-        return self.param_lo + self.flat_hi - self.flat_lo
-
 
 class _FlatGroup:
     """All parameters of one dtype/device, packed into flat parameter and gradient buffers."""
