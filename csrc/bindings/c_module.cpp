@@ -114,6 +114,8 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("wgrad_pending", &weight_grad_store::pending);
   m.def("wgrad_clear", &weight_grad_store::clear);
+  m.def("wgrad_parked_for", &weight_grad_store::parked_for, py::arg("param"));
+  m.def("wgrad_in_deferred_accumulate", &weight_grad_store::in_deferred_accumulate);
   m.def("wgrad_set_main_grad", &weight_grad_store::set_main_grad, py::arg("param"), py::arg("main_grad"));
 
   // ---- Pipeline executor ----

@@ -66,6 +66,8 @@ struct SplitBWLinear : public torch::autograd::Function<SplitBWLinear> {
         if (want_bias) weight_grad_store::accumulate(bias, grad_bias);
       });
       if (parked) {
+        if (want_weight) weight_grad_store::note_parked(weight);
+        if (want_bias) weight_grad_store::note_parked(bias);
         return {grad_input, at::Tensor(), at::Tensor()};
       }
     }

@@ -8,7 +8,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 
 namespace torchpp::weight_grad_store {
 namespace {
@@ -22,6 +24,14 @@ struct Store {
   Key key{-1, -1};
   std::map<Key, std::vector<Deferred>> parked;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> main_grads;
+  std::unordered_map<const c10::TensorImpl*, int64_t> parked_per_param;
+};
+
+thread_local bool delivering = false;
+
+struct DeliveringGuard {
+  DeliveringGuard() { delivering = true; }
+  ~DeliveringGuard() { delivering = false; }
 };
 
 Store& store() {
@@ -94,7 +104,25 @@ void clear() {
   auto& s = store();
   std::lock_guard<std::mutex> lock(s.mutex);
   s.parked.clear();
+  s.parked_per_param.clear();
   s.capturing = false;
+}
+
+void note_parked(const at::Tensor& param) {
+  auto& s = store();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  ++s.parked_per_param[param.unsafeGetTensorImpl()];
+}
+
+int64_t parked_for(const at::Tensor& param) {
+  auto& s = store();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.parked_per_param.find(param.unsafeGetTensorImpl());
+  return it == s.parked_per_param.end() ? 0 : it->second;
+}
+
+bool in_deferred_accumulate() {
+  return delivering;
 }
 
 void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad) {
@@ -118,14 +146,27 @@ void accumulate(const at::Tensor& param, const at::Tensor& grad) {
   }
   if (main_grad.defined()) {
     main_grad.add_(grad.to(main_grad.scalar_type()));
-    return;
-  }
-  // AccumulateGrad's arithmetic: the first gradient is taken as is, later ones are added in place.
-  at::Tensor& slot = const_cast<at::Tensor&>(param).mutable_grad();
-  if (!slot.defined()) {
-    slot = grad.detach();
   } else {
-    slot.add_(grad);
+    // AccumulateGrad's arithmetic: the first gradient is taken as is, later ones are added in place.
+    at::Tensor& slot = const_cast<at::Tensor&>(param).mutable_grad();
+    if (!slot.defined()) {
+      slot = grad.detach();
+    } else {
+      slot.add_(grad);
+    }
+  }
+  {
+    auto& s = store();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.parked_per_param.find(param.unsafeGetTensorImpl());
+    if (it != s.parked_per_param.end() && --it->second <= 0) {
+      s.parked_per_param.erase(it);
+    }
+  }
+  auto& hook = torch::autograd::impl::post_acc_grad_hooks(param);
+  if (hook) {
+    DeliveringGuard guard;
+    (*hook)(param);
   }
 }
 

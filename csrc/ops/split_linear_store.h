@@ -30,9 +30,17 @@ int64_t pending();
 // Drops everything parked (after a failed step).
 void clear();
 
+// Counts work parked for `param` (the split linear's I pass calls it for weight and bias): until
+// it runs, autograd's post-accumulate hooks on `param` have seen no gradient and must wait.
+void note_parked(const at::Tensor& param);
+int64_t parked_for(const at::Tensor& param);
+// True while accumulate() runs `param`'s post-accumulate hooks, i.e. the W pass delivers.
+bool in_deferred_accumulate();
+
 // Deferred gradients of `param` go into `main_grad` (e.g. an fp32 buffer) instead of .grad.
 void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad);
-// Adds `grad` to param's registered main_grad, else into .grad exactly as AccumulateGrad does.
+// Adds `grad` to param's registered main_grad, else into .grad exactly as AccumulateGrad does,
+// then runs param's post-accumulate-grad hooks, so hooks (DP bucketing) fire after W, not I.
 void accumulate(const at::Tensor& param, const at::Tensor& grad);
 
 }  // namespace torchpp::weight_grad_store

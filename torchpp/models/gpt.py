@@ -27,6 +27,8 @@ class GPTConfig:
     max_seq_len: int = 128
     ffn_multiplier: int = 4
     dropout: float = 0.0
+    # Split B/W linears: zero-bubble schedules can then defer weight gradients to W passes.
+    split_bw: bool = False
 
 
 class ParallelAttention(nn.Module):
@@ -37,12 +39,13 @@ class ParallelAttention(nn.Module):
         tp_size = ops.group_of(group).size()
         self.heads_per_rank = tp.divide(config.num_heads, tp_size, "num_heads")
         self.dropout = config.dropout
-        column = dict(group=group, sequence_parallel=sequence_parallel)
+        column = dict(group=group, sequence_parallel=sequence_parallel, split_bw=config.split_bw)
         self.q = tp.ColumnParallelLinear(config.hidden_size, config.hidden_size, **column)
         self.k = tp.ColumnParallelLinear(config.hidden_size, config.hidden_size, **column)
         self.v = tp.ColumnParallelLinear(config.hidden_size, config.hidden_size, **column)
         self.o = tp.RowParallelLinear(
-            config.hidden_size, config.hidden_size, group=group, input_is_parallel=True, sequence_parallel=sequence_parallel
+            config.hidden_size, config.hidden_size, group=group, input_is_parallel=True,
+            sequence_parallel=sequence_parallel, split_bw=config.split_bw,
         )
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:  # [s, b, n*d] -> [b, n, s, d]
@@ -63,8 +66,9 @@ class ParallelMLP(nn.Module):
     def __init__(self, config: GPTConfig, group, sequence_parallel: bool):
         super().__init__()
         ffn = config.ffn_multiplier * config.hidden_size
-        self.fc1 = tp.ColumnParallelLinear(config.hidden_size, ffn, group=group, sequence_parallel=sequence_parallel)
-        self.fc2 = tp.RowParallelLinear(ffn, config.hidden_size, group=group, input_is_parallel=True, sequence_parallel=sequence_parallel)
+        common = dict(group=group, sequence_parallel=sequence_parallel, split_bw=config.split_bw)
+        self.fc1 = tp.ColumnParallelLinear(config.hidden_size, ffn, **common)
+        self.fc2 = tp.RowParallelLinear(ffn, config.hidden_size, input_is_parallel=True, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -119,7 +123,8 @@ class GPTHead(nn.Module):
         if sequence_parallel:
             tp.mark_sequence_parallel(self.norm)
         self.output = tp.ColumnParallelLinear(
-            config.hidden_size, config.vocab_size, bias=False, group=group, sequence_parallel=sequence_parallel
+            config.hidden_size, config.vocab_size, bias=False, group=group, sequence_parallel=sequence_parallel,
+            split_bw=config.split_bw,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from torchpp.parallel.groups import ParallelState, get_parallel_state, init_para
 __all__ = ["ParallelState", "get_parallel_state", "init_parallel", "rank_grid"]
 from torchpp.parallel.clip import clip_grad_norm_, global_grad_norm
 from torchpp.parallel.data_parallel import GradReducer
+from torchpp.parallel.finalize import finalize_grads
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
-__all__ += ["clip_grad_norm_", "global_grad_norm", "GradReducer", "ZeroRedundancyOptimizer"]
+__all__ += ["clip_grad_norm_", "global_grad_norm", "GradReducer", "ZeroRedundancyOptimizer", "finalize_grads"]

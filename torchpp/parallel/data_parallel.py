@@ -17,6 +17,8 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from torchpp import _C
+
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
@@ -111,6 +113,10 @@ class GradReducer:
         self._counts = {id(p): 0 for b in self.buckets for p in b.params}
 
     def _on_accumulated(self, param: torch.Tensor) -> None:
+        # A split-B/W linear's I pass reaches AccumulateGrad without a gradient (it parked the
+        # weight gradient); the hook fires again, from C++, when the W pass delivers it.
+        if _C.wgrad_parked_for(param) > 0 and not _C.wgrad_in_deferred_accumulate():
+            return
         self.grad_ready(param)
 
     def grad_ready(self, param: torch.Tensor) -> None:
