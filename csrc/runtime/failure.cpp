@@ -3,6 +3,7 @@
 #include <chrono>
 #include <thread>
 
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -14,6 +15,8 @@ namespace {
 const std::string kFailureKey = "torchpp_pipeline_failure";
 // How long a rank whose communication broke waits for its peer's message to appear.
 constexpr auto kPeerMessageWait = std::chrono::milliseconds(1500);
+// A tag no pipeline message uses.
+constexpr int kBreakTag = 0x7ffffff0;
 
 bool read_failure(c10d::Store& store, FailureKind* kind, std::string* message) {
   if (!store.check({kFailureKey})) {
@@ -24,6 +27,22 @@ bool read_failure(c10d::Store& store, FailureKind* kind, std::string* message) {
   *kind = value.empty() ? FailureKind::Generic : static_cast<FailureKind>(value[0]);
   *message = value.empty() ? std::string() : value.substr(1);
   return true;
+}
+
+// Unblocks every peer waiting on this rank. gloo's abort() leaves pending receives (its own and
+// its peers') waiting, but a receive that times out closes all of the group's connections on
+// this rank, which fails each peer's pending operation with this rank at once; so time one out.
+void break_group(c10d::ProcessGroup& group) {
+  if (group.getSize() > 1 && group.getBackendName() == "gloo") {
+    const int peer = (group.getRank() + 1) % group.getSize();
+    std::vector<at::Tensor> scratch{at::empty({1})};
+    try {
+      group.recv(scratch, peer, kBreakTag)->wait(std::chrono::milliseconds(1));
+    } catch (const std::exception&) {
+      // Expected: the timeout is what closes the connections.
+    }
+  }
+  group.abort();  // NCCL and other backends abort their communicators
 }
 
 }  // namespace
@@ -62,10 +81,9 @@ void FailurePropagation::fail(const std::exception& error, int rank, const std::
     message = "torchpp pipeline: rank " + std::to_string(rank) + " failed at " + where + ": " + error.what() +
               " (the failure could not be shared with the other ranks: " + store_error.what() + ")";
   }
-  // Aborting closes this rank's connections, which fails every peer's pending receive from it.
   for (const auto& name : abort_groups_) {
     try {
-      resolve_group(name)->abort();
+      break_group(*resolve_group(name));
     } catch (const std::exception&) {
       // Already gone: nothing left to unblock.
     }

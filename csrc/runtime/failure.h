@@ -24,7 +24,8 @@ class PipelineFailure : public std::runtime_error {
 
 class FailurePropagation {
  public:
-  // `store_group` holds the store the message goes through; `abort_groups` are aborted.
+  // `store_group` holds the store the message goes through; `abort_groups` are broken so
+  // that no peer keeps waiting on this rank.
   FailurePropagation(std::string store_group, std::vector<std::string> abort_groups);
 
   // Turns `error`, raised on `rank` while running `where`, into the step's PipelineFailure:

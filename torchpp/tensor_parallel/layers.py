@@ -27,6 +27,13 @@ def default_linear_init(weight: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+def _linear(input, weight, bias, split_bw: bool) -> torch.Tensor:
+    # The split B/W op defers the weight gradient to a pipeline's W pass; F.linear does not.
+    if split_bw:
+        return torch.ops.torchpp.split_bw_linear(input, weight, bias)
+    return F.linear(input, weight, bias)
+
+
 def _full_then_shard(shape, dim, rank, size, init_method, dtype, device) -> torch.Tensor:
     # Initialise the whole matrix with the (TP-identical) default RNG and keep our shard, so the
     # parallel model equals the same model built in one process with the same seed.
@@ -49,6 +56,8 @@ class ColumnParallelLinear(nn.Module):
         sequence_dim: the sequence dimension of the input (0 for Megatron's [s, b, h]).
         group: the TP ProcessGroup, its name, or None for the default group.
         init_method: initialises the full weight (default: nn.Linear's).
+        split_bw: use the split B/W linear, so a zero-bubble pipeline schedule can run this
+            layer's weight gradient later (its W pass) than its input gradient.
     """
 
     def __init__(
@@ -64,8 +73,10 @@ class ColumnParallelLinear(nn.Module):
         init_method: Optional[InitMethod] = None,
         device=None,
         dtype=None,
+        split_bw: bool = False,
     ):
         super().__init__()
+        self.split_bw = split_bw
         if gather_output and sequence_parallel:
             raise ValueError("torchpp.ColumnParallelLinear: gather_output and sequence_parallel exclude each other")
         self.group = ops.group_of(group)
@@ -109,7 +120,7 @@ class ColumnParallelLinear(nn.Module):
             input = ops.gather_from_sp_region(input, self.group, dim=self.sequence_dim)
         else:
             input = ops.copy_to_tp_region(input, self.group)
-        output = F.linear(input, self.weight, self.bias)
+        output = _linear(input, self.weight, self.bias, self.split_bw)
         if self.gather_output:
             output = ops.gather_from_tp_region(output, self.group, dim=-1)
         return output
@@ -137,6 +148,7 @@ class RowParallelLinear(nn.Module):
         sequence_dim: the sequence dimension of the output.
         group: the TP ProcessGroup, its name, or None for the default group.
         init_method: initialises the full weight (default: nn.Linear's).
+        split_bw: use the split B/W linear (see ColumnParallelLinear).
     """
 
     def __init__(
@@ -152,8 +164,10 @@ class RowParallelLinear(nn.Module):
         init_method: Optional[InitMethod] = None,
         device=None,
         dtype=None,
+        split_bw: bool = False,
     ):
         super().__init__()
+        self.split_bw = split_bw
         if sequence_parallel and not input_is_parallel:
             raise ValueError("torchpp.RowParallelLinear: sequence_parallel needs input_is_parallel=True")
         self.group = ops.group_of(group)
@@ -194,7 +208,7 @@ class RowParallelLinear(nn.Module):
         check_same_device(input, self.weight, "RowParallelLinear")
         if not self.input_is_parallel:
             input = ops.scatter_to_tp_region(input, self.group, dim=-1)
-        partial = F.linear(input, self.weight)
+        partial = _linear(input, self.weight, None, self.split_bw)
         if self.sequence_parallel:
             output = ops.reduce_scatter_to_sp_region(partial, self.group, dim=self.sequence_dim)
         else:

@@ -1,0 +1,103 @@
+"""Rank-side checks for the pipeline tests: train TinyLM with a schedule for a few optimizer
+steps and compare losses and every local gradient with the same model run in one process."""
+from __future__ import annotations
+
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from pipeline_models import lm_loss, make_batches, make_model, stage_split_points
+from torchpp import schedule as S
+from torchpp.pipeline import PipelineStage, build_schedule, split_model
+from torchpp.pipeline.microbatch import loss_weights, split_microbatches
+
+TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+
+
+def local_last_microbatches(sched):
+    """Indices of the microbatches whose loss this rank computes (its last stages)."""
+    sch = sched.schedule
+    spp = sch.num_stages // sch.num_pipelines
+    m = sch.num_microbatches
+    mine = []
+    for stage, rank in enumerate(sch.stage_to_rank):
+        if rank == sched.rank and stage % spp == spp - 1:
+            k = stage // spp
+            mine += range(k * m // sch.num_pipelines, (k + 1) * m // sch.num_pipelines)
+    return sorted(mine)
+
+
+def train_and_compare(name, dtype=torch.float64, m=8, batch=16, seq_lens=(6, 6), pp_group=None, tp_group=None,
+                      scatter_gather=True, lr=0.5):
+    """Trains len(seq_lens) steps; asserts every local gradient equals the reference's.
+
+    Returns per step this rank's share of the batch loss and the reference loss, plus the
+    measured and simulated peak activations of the last step.
+    """
+    pp_rank, p = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    tp_size = tp_group.size() if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    probe = S.generate(name, num_ranks=p, num_microbatches=m)
+    model_stages = probe.num_stages // probe.num_pipelines
+    model = make_model(model_stages, dtype, tp_group=tp_group)
+    reference = make_model(model_stages, dtype)
+    parts = split_model(model, model_stages, stage_split_points(model_stages, model_stages))
+    mine = sorted({probe.model_stage(s) for s, r in enumerate(probe.stage_to_rank) if r == pp_rank})
+    stages = [PipelineStage(parts[k], k, model_stages, "cpu", group=pp_group, tp_group=tp_group) for k in mine]
+    sched = build_schedule(name, stages, m, loss_fn=lm_loss, scatter_gather=scatter_gather)
+    params = [prm for st in stages for prm in st.submod.parameters()]
+    names = {id(prm): n for n, prm in model.named_parameters()}
+    ref_params = dict(reference.named_parameters())
+    opt = torch.optim.SGD(params, lr=lr)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    tol = TOLERANCES[dtype]
+    steps = []
+    for step, (x, y) in enumerate(make_batches(batch, seq_lens)):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        losses = []
+        sched.step(x, target=y, losses=losses)
+        ref_loss = lm_loss(reference(x), y)
+        ref_loss.backward()
+        weights = loss_weights(split_microbatches(y, m))
+        share = sum(weights[k] * loss.item() for k, loss in zip(local_last_microbatches(sched), losses))
+        for prm in params:
+            ref = ref_params[names[id(prm)]].grad
+            if getattr(prm, "tensor_model_parallel", False):
+                ref = ref.chunk(tp_size, dim=prm.partition_dim)[tp_rank]
+            torch.testing.assert_close(prm.grad, ref, **tol,
+                                       msg=lambda s, n=names[id(prm)]: f"{name} step {step} grad of {n}: {s}")
+        opt.step()
+        ref_opt.step()
+        steps.append({"loss_share": share, "ref_loss": ref_loss.item(), "has_loss": bool(losses)})
+    simulated = S.simulate(probe).peak_activations[pp_rank]
+    return {"steps": steps, "peak": sched.peak_activations, "simulated_peak": simulated,
+            "timeline": [a for a, *_ in sched.timeline()]}
+
+
+def run_configs(configs):
+    """Runs each config on a fresh pipeline group (so a failure cannot poison the next);
+    returns per config the result or the traceback."""
+    results = []
+    for config in configs:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        try:
+            results.append(train_and_compare(pp_group=group, **config))
+        except Exception:
+            results.append({"error": traceback.format_exc()})
+    return results
+
+
+def run_tp_pp(configs):
+    """TP=2 x PP=2 on 4 ranks: rank = pp * 2 + tp."""
+    rank = dist.get_rank()
+    results = []
+    for config in configs:
+        tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        try:
+            results.append(train_and_compare(pp_group=pp_groups[rank % 2], tp_group=tp_groups[rank // 2], **config))
+        except Exception:
+            results.append({"error": traceback.format_exc()})
+    return results

@@ -1,0 +1,111 @@
+"""Bad input makes every rank raise a clear error quickly; no rank hangs.
+
+Each scenario runs on a fresh pipeline group (a failed step aborts its groups) and returns,
+per rank, the exception type, its message and how long the rank took to fail.
+"""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchpp.pipeline import PipelineStage, build_schedule
+
+FEATURES, BATCH, M = 8, 8, 4
+FAIL_WITHIN_S = 15
+
+
+class ReturnsTuple(nn.Module):
+    def forward(self, x):
+        return (x, x)
+
+
+class RaisesOnMicrobatch(nn.Module):
+    """Raises in the forward of its `when`-th call."""
+
+    def __init__(self, when):
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, FEATURES)
+        self.calls, self.when = 0, when
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.when:
+            raise RuntimeError("boom: stage module failed on purpose")
+        return self.linear(x)
+
+
+class GrowsInSecondStep(nn.Module):
+    """Same input shape every step, but a wider output from call `when` on."""
+
+    def __init__(self, when):
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, FEATURES)
+        self.calls, self.when = 0, when
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.linear(x)
+        return torch.cat([y, y], dim=-1) if self.calls >= self.when else y
+
+
+def _scenario(kind):
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    first, last = nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)
+    input_args = None
+    name, m, steps = "1f1b", M, 1
+    if kind == "shape_mismatch":
+        input_args = torch.empty(BATCH // M, FEATURES + 3, device="meta")
+    elif kind == "non_tensor":
+        first = ReturnsTuple()
+    elif kind == "m_too_small":
+        name, m = "dualpipe", 2
+    elif kind == "raises_in_forward":
+        last = RaisesOnMicrobatch(when=3)
+    elif kind == "shape_changes_inside_step":
+        first, steps = GrowsInSecondStep(when=M + 2), 2
+    module = first if rank == 0 else last
+    stages = PipelineStage(module, rank, 2, "cpu", group=group, input_args=input_args if rank == 1 else None)
+    if name == "dualpipe":
+        stages = [stages, PipelineStage(last if rank == 0 else first, 1 - rank, 2, "cpu", group=group)]
+    x, y = torch.randn(BATCH, FEATURES), torch.randn(BATCH, FEATURES)
+    start = time.monotonic()
+    try:
+        sched = build_schedule(name, stages, m, loss_fn=nn.functional.mse_loss)
+        for _ in range(steps):
+            sched.step(x, target=y)
+    except Exception as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return None, "no error", time.monotonic() - start
+
+
+def _run_all(kinds):
+    return [_scenario(kind) for kind in kinds]
+
+
+EXPECTED = {
+    # kind: (exception type on every rank, substrings every rank's message contains)
+    "shape_mismatch": ("PipelineShapeError", ["stage 1 microbatch 0", "[2, 8]", "[2, 11]"]),
+    "non_tensor": ("PipelineError", ["stage 0 returned a tuple"]),
+    "m_too_small": ("ValueError", ["dualpipe", "m"]),
+    "raises_in_forward": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),
+    "shape_changes_inside_step": ("PipelineShapeError", ["stage 0 microbatch 1", "[2, 16]", "[2, 8]"]),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(ranks):
+    per_rank = ranks(2).run(_run_all, list(EXPECTED), timeout=120)
+    return {kind: [r[k] for r in per_rank] for k, kind in enumerate(EXPECTED)}
+
+
+@pytest.mark.parametrize("kind", list(EXPECTED))
+def test_every_rank_fails_clearly(outcomes, kind):
+    error_type, fragments = EXPECTED[kind]
+    for rank, (raised, message, elapsed) in enumerate(outcomes[kind]):
+        assert raised == error_type, f"rank {rank}: {raised}: {message}"
+        for fragment in fragments:
+            assert fragment in message, f"rank {rank}: {fragment!r} not in {message!r}"
+        assert elapsed < FAIL_WITHIN_S, f"rank {rank} took {elapsed:.1f}s to fail"
