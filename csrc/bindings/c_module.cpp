@@ -37,7 +37,10 @@ runtime::ForwardFn python_forward(py::function fn) {
       }
       return THPVariable_Unpack(out.ptr());
     } catch (py::error_already_set& error) {
-      throw runtime::PipelineFailure(kind_of(error), error.what());
+      // pybind appends the Python stack ("\n\nAt:..."); the message alone says what failed.
+      std::string message = error.what();
+      message = message.substr(0, message.find("\n\nAt:"));
+      throw runtime::PipelineFailure(kind_of(error), message);
     }
   };
 }
