@@ -67,6 +67,37 @@ def check_errors():
     return True
 
 
+def check_vocab_padding():
+    """VocabParallelEmbedding(pad_vocab=True) and cross entropy with vocab_size on V=7, tp=2."""
+    import torch.nn.functional as F
+
+    from torchpp.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(7, 3)
+    ids = torch.tensor([[0, 3, 4, 6]])
+    sharded = VocabParallelEmbedding.from_embedding(table, pad_vocab=True, group=group)
+    assert sharded.padded_num_embeddings == 8 and sharded.weight.shape == (4, 3)
+    assert_close(sharded(ids), table(ids), "padded embedding forward")
+    sharded(ids).sum().backward()
+    table(ids).sum().backward()
+    assert_close(sharded.weight.grad, torch.cat([table.weight.grad, torch.zeros(1, 3)]).chunk(2)[rank], "embedding grad")
+
+    logits = torch.randn(5, 8)
+    logits[:, 7] = 100.0  # a padded column that would dominate the softmax if it were kept
+    target = torch.tensor([0, 6, 3, 4, 2])
+    local = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
+    full = logits[:, :7].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, group, reduction="mean", vocab_size=7)
+    want = F.cross_entropy(full, target)
+    assert_close(loss, want, "padded cross entropy")
+    loss.backward()
+    want.backward()
+    assert_close(local.grad, torch.cat([full.grad, torch.zeros(5, 1)], dim=1).chunk(2, dim=-1)[rank], "CE grad")
+    return True
+
+
 def check_pipeline_equivalence(kind, schedule, recompute, tied):
     state = torchpp.init_parallel(tp=2, pp=2)
     model = tiny_model(kind, tied=tied)
@@ -104,6 +135,10 @@ def test_tp2_matches_unwrapped_llama_mistral_gpt2(ranks):
 
 def test_clear_errors(ranks):
     assert ranks(2).run(check_errors, timeout=60) == [True, True]
+
+
+def test_vocab_padding_embedding_and_cross_entropy(ranks):
+    assert ranks(2).run(check_vocab_padding, timeout=60) == [True, True]
 
 
 def test_pp2_tp2_pipeline_matches_unwrapped(ranks):
