@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from torchpp import schedule as S
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
-from torchpp.parallel import GradReducer, ZeroRedundancyOptimizer, clip_grad_norm_, finalize_grads, init_parallel
+from torchpp.parallel import DistributedOptimizer, finalize_grads, init_parallel
 from torchpp.pipeline import PipelineStage, build_schedule, split_model
 
 BATCH, MICROBATCHES, STEPS, MAX_NORM, LR = 8, 4, 3, 0.5, 1e-2
@@ -62,27 +62,18 @@ def train_ptdp(dp, pp, tp, schedule, zero):
     params = [p for i in mine for p in parts[i].parameters()]
     pipeline = build_schedule(schedule, stages, MICROBATCHES,
                               loss_fn=lambda logits, labels: gpt_loss(logits, labels, state.tp_group))
-    if zero:
-        optimizer, reducer = ZeroRedundancyOptimizer(params, torch.optim.AdamW, state.dp_group, lr=LR), None
-    else:
-        optimizer = torch.optim.AdamW(params, lr=LR)
-        reducer = GradReducer(params, state.dp_group, bucket_bytes=2048, accumulations_per_step=MICROBATCHES)
+    optimizer = DistributedOptimizer(params, torch.optim.AdamW, state, zero=zero, max_norm=MAX_NORM,
+                                     accumulations_per_step=MICROBATCHES, bucket_bytes=2048, lr=LR)
     tokens, labels = _data()
     rows = slice(state.dp_rank * BATCH // dp, (state.dp_rank + 1) * BATCH // dp)
     holds_last = any(i == pp * chunks - 1 for i in mine)
     step_losses = []
     for _ in range(STEPS):
-        (reducer or optimizer).zero_grad()
+        optimizer.zero_grad()
         losses = []
         pipeline.step(*([tokens[rows]] if 0 in mine else []), target=labels[rows] if holds_last else None, losses=losses)
-        finalize_grads([parts[i] for i in mine], state, reducer)
-        if zero:
-            optimizer.reduce_scatter_grads()
-            clip_grad_norm_(params, MAX_NORM, state=state, zero_optimizer=optimizer)
-            optimizer.step(grads_reduced=True)
-        else:
-            clip_grad_norm_(params, MAX_NORM, state=state)
-            optimizer.step()
+        finalize_grads([parts[i] for i in mine], state)
+        optimizer.step()
         if holds_last:
             step_loss = torch.stack(losses).mean()
             dist.all_reduce(step_loss, group=state.dp_group)

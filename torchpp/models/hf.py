@@ -214,13 +214,21 @@ class ParallelCausalLM(nn.Module):
         self.finish_grads()
         return result
 
+    @property
+    def tied_weight(self) -> Optional[nn.Parameter]:
+        """This rank's copy of an embedding tied to the output layer on another stage (its
+        gradient is summed across the two stages after backward), or None."""
+        if self.embedding_group is None:
+            return None
+        return self.stages[0].embedding.tokens.weight if self.has_first_stage else self.stages[-1].head.output.weight
+
     def finish_grads(self) -> None:
         """Sums sequence-parallel partial gradients over TP and tied-embedding gradients over the
         first and last stage (called by ``step``; call it yourself after a custom backward)."""
         if self.tp_group.size() > 1:
             tp.allreduce_sequence_parallel_grads(self, self.tp_group)
-        if self.embedding_group is not None:
-            tied = self.stages[0].embedding.tokens.weight if self.has_first_stage else self.stages[-1].head.output.weight
+        tied = self.tied_weight
+        if tied is not None:
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
             dist.all_reduce(tied.grad, group=self.embedding_group)

@@ -5,6 +5,7 @@ __all__ = ["ParallelState", "get_parallel_state", "init_parallel", "rank_grid"]
 from torchpp.parallel.clip import clip_grad_norm_, global_grad_norm
 from torchpp.parallel.data_parallel import GradReducer
 from torchpp.parallel.finalize import finalize_grads
+from torchpp.parallel.optimizer import DistributedOptimizer
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
-__all__ += ["clip_grad_norm_", "global_grad_norm", "GradReducer", "ZeroRedundancyOptimizer", "finalize_grads"]
+__all__ += ["clip_grad_norm_", "global_grad_norm", "GradReducer", "ZeroRedundancyOptimizer", "finalize_grads", "DistributedOptimizer"]

@@ -52,6 +52,9 @@ class GradReducer:
         accumulations_per_step: how many gradient accumulations a parameter receives per
             optimizer step (the number of microbatches whose backward touches it); 0 means
             unknown: nothing launches early and finish() reduces everything.
+        hold: parameters whose gradients change after backward (tied embeddings summed over
+            stages); their buckets wait for finish(). Parameters flagged sequence_parallel
+            (summed over TP after backward) are held too.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class GradReducer:
         group: dist.ProcessGroup,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         accumulations_per_step: int = 1,
+        hold: Iterable[torch.nn.Parameter] = (),
     ):
         self.group = group
         self.size = group.size()
@@ -74,6 +78,7 @@ class GradReducer:
             for param in bucket.params:
                 self._bucket_of[id(param)] = bucket
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_accumulated))
+        self._held = {id(p) for p in hold} | {id(p) for p in params if getattr(p, "sequence_parallel", False)}
         self.stats = OverlapStats()
         self.zero_grad()
 
@@ -122,7 +127,7 @@ class GradReducer:
     def grad_ready(self, param: torch.Tensor) -> None:
         """Counts one gradient accumulation into `param`; launches its bucket when complete."""
         key = id(param)
-        if key not in self._counts or self.accumulations_per_step <= 0:
+        if key not in self._counts or key in self._held or self.accumulations_per_step <= 0:
             return
         self._counts[key] += 1
         if self._counts[key] == self.accumulations_per_step:

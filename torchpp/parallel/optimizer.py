@@ -1,0 +1,87 @@
+"""DistributedOptimizer: the data-parallel half of a training step in one object.
+
+step() finishes the data-parallel gradient reduction (bucketed all-reduce that started during
+backward, or ZeRO-1's reduce-scatter), clips by the global norm over dp x pp x tp, runs the
+wrapped torch.optim optimizer, and (ZeRO-1) all-gathers the updated parameters.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from torchpp.parallel.clip import clip_grad_norm_
+from torchpp.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
+from torchpp.parallel.groups import ParallelState, get_parallel_state
+from torchpp.parallel.zero import ZeroRedundancyOptimizer
+
+
+class DistributedOptimizer:
+    """A torch.optim optimizer over this rank's parameters, data parallel over ``state.dp_group``.
+
+    Args:
+        params: this rank's parameters (all its pipeline stages).
+        optimizer_class: e.g. torch.optim.AdamW.
+        state: the ParallelState (default: get_parallel_state()).
+        zero: shard the optimizer state over dp (ZeRO-1) instead of all-reducing gradients.
+        max_norm: clip gradients to this global norm (None: no clipping).
+        accumulations_per_step: gradient accumulations per parameter per step (the number of
+            microbatches), so buckets launch while backward runs.
+        hold: parameters whose gradients change after backward (e.g. tied embeddings).
+        bucket_bytes: data-parallel bucket size.
+        **optimizer_kwargs: passed to optimizer_class (lr, weight_decay, ...).
+
+    Call zero_grad() before a step's backward passes and step() after them.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        optimizer_class: Callable[..., torch.optim.Optimizer],
+        state: Optional[ParallelState] = None,
+        *,
+        zero: bool = False,
+        max_norm: Optional[float] = None,
+        accumulations_per_step: int = 1,
+        hold: Iterable[torch.nn.Parameter] = (),
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        **optimizer_kwargs,
+    ):
+        self.state = state or get_parallel_state()
+        self.params = [p for p in params if p.requires_grad]
+        self.max_norm = max_norm
+        self.zero = zero
+        if zero:
+            self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, self.state.dp_group, **optimizer_kwargs)
+            self.reducer = None
+        else:
+            self.optimizer = optimizer_class(self.params, **optimizer_kwargs)
+            self.reducer = GradReducer(self.params, self.state.dp_group, bucket_bytes, accumulations_per_step, hold)
+        self.param_groups = self.optimizer.param_groups
+        self.last_grad_norm: Optional[torch.Tensor] = None
+
+    def zero_grad(self) -> None:
+        (self.optimizer if self.zero else self.reducer).zero_grad()
+
+    def step(self) -> Optional[torch.Tensor]:
+        """Reduces gradients over dp, clips, updates; returns the global gradient norm when clipping."""
+        if self.zero:
+            self.optimizer.reduce_scatter_grads()
+        else:
+            self.reducer.finish()
+        norm = None
+        if self.max_norm is not None:
+            norm = clip_grad_norm_(self.params, self.max_norm, state=self.state,
+                                   zero_optimizer=self.optimizer if self.zero else None)
+        if self.zero:
+            self.optimizer.step(grads_reduced=True)
+        else:
+            self.optimizer.step()
+        self.last_grad_norm = norm
+        return norm
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
