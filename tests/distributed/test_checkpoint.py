@@ -71,6 +71,8 @@ def check_resume(root, layouts):
         save_checkpoint(path, 2, model, optimizer, extra={"next": 2})
         # Another seed: only the load can make the fresh model, optimizer and RNG equal.
         model, optimizer, reducer = _build(state, zero, seed=99)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.5  # as an LR schedule would have left it: the saved options win
         loaded = load_checkpoint(path, model, optimizer)
         assert (loaded.step, loaded.extra, loaded.rng_restored) == (2, {"next": 2}, True), what
         second = _train(state, model, optimizer, reducer, range(2, 4))
