@@ -14,7 +14,7 @@ from torchpp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from torchpp.checkpoint import directory
 from torchpp.checkpoint.chunks import flat_range_boxes
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
-from torchpp.parallel import GradReducer, ZeroRedundancyOptimizer, init_parallel
+from torchpp.parallel import DistributedOptimizer, ZeroRedundancyOptimizer, init_parallel
 from torchpp.pipeline import split_model
 from tp_reference import assert_close
 
@@ -32,26 +32,21 @@ def _batch(step):
 
 
 def _build(state, zero, seed, config=CONFIG, dtype=torch.float32):
-    """A model, optimizer and (without ZeRO) DP gradient reducer, seeded with `seed`."""
+    """A model and its DistributedOptimizer (AdamW; ZeRO-1 or DP all-reduce), seeded with `seed`."""
     tp.model_parallel_manual_seed(seed, tp_rank=state.tp_rank)
     model = GPT(config, group=state.tp_group).to(dtype)
-    if zero:
-        return model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, state.dp_group, lr=LR), None
-    reducer = GradReducer(model.parameters(), state.dp_group, accumulations_per_step=1)
-    return model, torch.optim.AdamW(model.parameters(), lr=LR), reducer
+    return model, DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, zero=zero, lr=LR)
 
 
-def _train(state, model, optimizer, reducer, steps):
+def _train(state, model, optimizer, steps):
     """Runs `steps` (each on its own batch, split over dp); returns the full-batch losses."""
     losses = []
     for step in steps:
         tokens, labels = _batch(step)
         mine = slice(state.dp_rank * BATCH // state.dp, (state.dp_rank + 1) * BATCH // state.dp)
-        (reducer or optimizer).zero_grad()
+        optimizer.zero_grad()
         loss = gpt_loss(model(tokens[mine]), labels[mine], state.tp_group)
         loss.backward()
-        if reducer is not None:
-            reducer.finish()
         optimizer.step()
         loss = loss.detach().clone()
         dist.all_reduce(loss, group=state.dp_group)
@@ -65,17 +60,17 @@ def check_resume(root, layouts):
         state = init_parallel(tp=tp_size)
         what = f"tp={tp_size} dp={state.dp} zero={zero}"
         straight = _train(state, *_build(state, zero, seed=11), range(4))
-        model, optimizer, reducer = _build(state, zero, seed=11)
-        first = _train(state, model, optimizer, reducer, range(2))
+        model, optimizer = _build(state, zero, seed=11)
+        first = _train(state, model, optimizer, range(2))
         path = os.path.join(root, what.replace(" ", "_"))
         save_checkpoint(path, 2, model, optimizer, extra={"next": 2})
         # Another seed: only the load can make the fresh model, optimizer and RNG equal.
-        model, optimizer, reducer = _build(state, zero, seed=99)
+        model, optimizer = _build(state, zero, seed=99)
         for group in optimizer.param_groups:
             group["lr"] = 0.5  # as an LR schedule would have left it: the saved options win
         loaded = load_checkpoint(path, model, optimizer)
         assert (loaded.step, loaded.extra, loaded.rng_restored) == (2, {"next": 2}, True), what
-        second = _train(state, model, optimizer, reducer, range(2, 4))
+        second = _train(state, model, optimizer, range(2, 4))
         resumed = torch.cat([first, second])
         assert torch.equal(resumed, straight), f"{what}: resumed {resumed.tolist()} != straight {straight.tolist()}"
     return True
@@ -114,18 +109,18 @@ def _reference():
 
 def _save_after_two_steps(root, tp_size, zero):
     state = init_parallel(tp=tp_size)
-    model, optimizer, reducer = _build(state, zero, seed=11, config=EXACT, dtype=torch.float64)
-    losses = _train(state, model, optimizer, reducer, range(2))
+    model, optimizer = _build(state, zero, seed=11, config=EXACT, dtype=torch.float64)
+    losses = _train(state, model, optimizer, range(2))
     save_checkpoint(root, 2, model, optimizer)
     return losses
 
 
 def _resume_two_steps(root, tp_size, zero):
     state = init_parallel(tp=tp_size)
-    model, optimizer, reducer = _build(state, zero, seed=99, config=EXACT, dtype=torch.float64)
+    model, optimizer = _build(state, zero, seed=99, config=EXACT, dtype=torch.float64)
     with pytest.warns(UserWarning, match="RNG states were not restored"):
         assert not load_checkpoint(root, model, optimizer).rng_restored
-    return _train(state, model, optimizer, reducer, range(2, 4))
+    return _train(state, model, optimizer, range(2, 4))
 
 
 def _held_state(optimizer, params):
@@ -191,7 +186,7 @@ def test_layout_changing_reload(ranks, tmp_path):
 
 
 def _snapshot(model, optimizer):
-    inner = optimizer.optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    inner = optimizer.optimizer.optimizer  # DistributedOptimizer -> ZeroRedundancyOptimizer -> AdamW
     return [p.detach().clone() for p in model.parameters()], [
         {k: v.clone() for k, v in s.items()} for s in inner.state.values()
     ]
@@ -214,11 +209,11 @@ def _raise(error):
 
 def check_interrupted_save(root):
     state = init_parallel(tp=1)  # dp=2 with ZeRO-1: every rank writes its own shard
-    model, optimizer, _ = _build(state, True, seed=11)
-    _train(state, model, optimizer, None, range(1))
+    model, optimizer = _build(state, True, seed=11)
+    _train(state, model, optimizer, range(1))
     save_checkpoint(root, 1, model, optimizer)
     saved = _snapshot(model, optimizer)
-    _train(state, model, optimizer, None, range(1, 2))
+    _train(state, model, optimizer, range(1, 2))
 
     # 1. Rank 1 fails while writing; rank 0 has written its files.
     write_data = FileSystemWriter.write_data
@@ -244,7 +239,7 @@ def check_interrupted_save(root):
     assert os.path.exists(os.path.join(root, "step_2.tmp", ".metadata"))
     assert latest_checkpoint(root) == os.path.join(root, "step_1")
 
-    fresh_model, fresh_optimizer, _ = _build(state, True, seed=99)
+    fresh_model, fresh_optimizer = _build(state, True, seed=99)
     assert load_checkpoint(root, fresh_model, fresh_optimizer).step == 1
     _assert_equal_state(fresh_model, fresh_optimizer, saved, "previous checkpoint after failed saves")
 

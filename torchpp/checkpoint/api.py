@@ -87,7 +87,8 @@ def save_checkpoint(
         step: the training step (names the directory; each step is saved once).
         model: the module this rank holds, or {global name: parameter} for a pipeline stage
             (see stage_parameters), so names are those of the unsharded model.
-        optimizer: a torch.optim optimizer or a torchpp ZeroRedundancyOptimizer over `model`.
+        optimizer: a torch.optim optimizer, or a torchpp ZeroRedundancyOptimizer or
+            DistributedOptimizer, over `model`.
         extra: any picklable object, equal on every rank (data position, LR scheduler state).
         state: the parallel layout (default: the one from torchpp.init_parallel).
 
@@ -126,7 +127,8 @@ def load_checkpoint(
     Args:
         root: directory of checkpoints (as given to save_checkpoint).
         model: the module this rank holds, or {global name: parameter} (see stage_parameters).
-        optimizer: a torch.optim optimizer or ZeroRedundancyOptimizer over `model`; its state
+        optimizer: a torch.optim optimizer, ZeroRedundancyOptimizer or DistributedOptimizer over
+            `model`; its state
             is replaced by the saved one (parameters without saved state keep none).
         step: which step to load; default: the one `root/latest` names.
         state: the parallel layout (default: the one from torchpp.init_parallel).

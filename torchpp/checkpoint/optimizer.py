@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torchpp.checkpoint.chunks import ChunkedTensor
 from torchpp.checkpoint.layout import as_dtensor, global_shape_and_offset, tp_partition
 from torchpp.parallel.groups import ParallelState
+from torchpp.parallel.optimizer import DistributedOptimizer
 from torchpp.parallel.zero import ZeroRedundancyOptimizer, _Segment
 
 STATE_PREFIX = "optim."
@@ -36,6 +37,11 @@ class _Leaf:
     name: str
     group: Dict[str, Any]
     segment: Optional[_Segment]
+
+
+def _unwrap(optimizer):
+    """The ZeroRedundancyOptimizer or torch.optim optimizer inside a DistributedOptimizer."""
+    return optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
 
 
 def _inner(optimizer) -> torch.optim.Optimizer:
@@ -73,10 +79,11 @@ def optimizer_entries(optimizer, params: Mapping[str, nn.Parameter], state: Para
     """This rank's optimizer state as (DCP state dict entries, chunked entries) for saving.
 
     Args:
-        optimizer: a torch.optim optimizer or a ZeroRedundancyOptimizer.
+        optimizer: a torch.optim optimizer, ZeroRedundancyOptimizer or DistributedOptimizer.
         params: {global name: parameter} of the model part this rank holds.
         state: the parallel layout.
     """
+    optimizer = _unwrap(optimizer)
     plain: Dict[str, Any] = {}
     chunked: Dict[str, ChunkedTensor] = {}
     inner = _inner(optimizer)
@@ -104,7 +111,7 @@ class OptimizerTargets:
 
     def install(self, optimizer) -> None:
         """Puts the loaded tensors and group options into the optimizer (after the DCP load)."""
-        inner = _inner(optimizer)
+        inner = _inner(_unwrap(optimizer))
         for leaf, key, local in self.slots:
             value = local if local is not None else self.plain[f"{STATE_PREFIX}{leaf.name}.{key}"]
             inner.state[leaf.tensor][key] = value
@@ -120,11 +127,12 @@ def optimizer_targets(optimizer, params: Mapping[str, nn.Parameter], state: Para
     """Empty state for every parameter the checkpoint (its DCP `metadata`) has state for.
 
     Args:
-        optimizer: a torch.optim optimizer or a ZeroRedundancyOptimizer.
+        optimizer: a torch.optim optimizer, ZeroRedundancyOptimizer or DistributedOptimizer.
         params: {global name: parameter} of the model part this rank holds.
         state: the parallel layout.
         metadata: the checkpoint's torch.distributed.checkpoint Metadata.
     """
+    optimizer = _unwrap(optimizer)
     saved = metadata.state_dict_metadata
     keys_of: Dict[str, List[str]] = {}
     for fqn in saved:
