@@ -16,7 +16,7 @@ from torchpp.checkpoint.chunks import flat_range_boxes
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
 from torchpp.parallel import DistributedOptimizer, ZeroRedundancyOptimizer, init_parallel
 from torchpp.pipeline import split_model
-from tp_reference import assert_close
+from tp_reference import assert_close, tp_subgroup
 
 # Dropout on: resuming must also restore the default and the TP RNG streams.
 CONFIG = GPTConfig(vocab_size=32, hidden_size=16, num_heads=4, num_layers=2, max_seq_len=8, dropout=0.1)
@@ -83,11 +83,7 @@ def test_resume_equals_uninterrupted_run(ranks, tmp_path):
 
 def _reference():
     """One process, fp64, full batches: losses of 4 steps and the state after step 2."""
-    alone = None
-    for r in range(dist.get_world_size()):
-        group = dist.new_group([r])
-        if r == dist.get_rank():
-            alone = group
+    alone = tp_subgroup(1)  # a group of this rank only
     torch.manual_seed(11)
     model = GPT(EXACT, group=alone).double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
