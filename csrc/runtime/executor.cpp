@@ -61,9 +61,9 @@ void Executor::step(bool inputs_changed) {
     for (const auto& action : actions_) {
       current = &action;
       const bool compute = schedule::is_compute(action.type);
-      const size_t record = timeline_.start(action.str(), compute);
+      current_record_ = timeline_.start(action.str(), compute);
       run(action);
-      timeline_.end(record);
+      timeline_.end(current_record_);
     }
     current = nullptr;
     for (auto& entry : activation_sends_) entry.second.work->wait();
@@ -264,6 +264,7 @@ at::Tensor Executor::take_activation(const Action& consumer) {
   at::Tensor input = channel_.finish(recv->second, received_meta_.at(key));
   activation_recvs_.erase(recv);
   timeline_.arrived(recv_action.str(), now_us());
+  timeline_.restart(current_record_);
   return input;
 }
 
@@ -290,6 +291,7 @@ at::Tensor Executor::take_gradient(const Action& consumer) {
   at::Tensor grad = channel_.finish(recv->second, meta);
   gradient_recvs_.erase(recv);
   timeline_.arrived(recv_action.str(), now_us());
+  timeline_.restart(current_record_);
   return grad;
 }
 

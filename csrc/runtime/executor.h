@@ -105,6 +105,7 @@ class Executor {
   std::map<Key, TensorMeta> received_meta_;      // per consumer (stage, microbatch), across steps
   std::map<Key, TensorMeta> sent_meta_;          // per producer (stage, microbatch), across steps
   int64_t peak_activations_ = 0;
+  size_t current_record_ = 0;  // timeline record of the running action
 };
 
 }  // namespace torchpp::runtime

@@ -48,6 +48,13 @@ size_t Timeline::start(const std::string& action, bool compute) {
   return records_.size() - 1;
 }
 
+void Timeline::restart(size_t index) {
+  records_[index].start_us = now_us();
+  if (!device_spans_.empty() && device_spans_.back().index == index) {
+    device_spans_.back().start.record(current_stream(device_));
+  }
+}
+
 void Timeline::end(size_t index) {
   records_[index].end_us = now_us();
   if (!device_spans_.empty() && device_spans_.back().index == index) {

@@ -29,6 +29,8 @@ class Timeline {
   void begin_step();
   // Returns the index of the record, to be finished by end().
   size_t start(const std::string& action, bool compute);
+  // The action's inputs arrived: its span starts now (waiting is not compute).
+  void restart(size_t index);
   void end(size_t index);
   void arrived(const std::string& recv_action, double when_us);
   // Resolves device events into timestamps (waits for the device).
