@@ -59,3 +59,18 @@ def test_partition_of_a_fixed_profile_is_stable():
     splits = [partition(frozen, 3, memory_budget=1e6, inflight=[3, 2, 1]) for _ in range(3)]
     assert all(split == splits[0] for split in splits)
     assert max(splits[0].rank_memory) <= 1e6
+
+
+@pytest.mark.parametrize("global_batch", [24, 60])
+def test_paper_175b_on_96_gpus_picks_tp8_pp12(global_batch):
+    """The PTD-P paper's own 175B runs on 96 GPUs (interleaving and scatter/gather figures, batch
+    12-60, its feature set: no SP, no ZeRO, full recompute, fp16 optimizer, blocking P2P) used
+    t=8, p=12; the planner must choose the same."""
+    best = plan(PRESETS["gpt3-175b"], Cluster(96, 80e9), Training.megatron2(global_batch, 2048)).best.layout
+    assert (best.tp, best.pp, best.dp) == (8, 12, 1), best
+    assert best.schedule == "interleaved-1f1b"
+
+
+def test_megatron2_model_state_is_20_bytes_per_parameter():
+    with pytest.raises(PlanError, match=r"3492 GB .* \(20 bytes each\)"):
+        plan(PRESETS["gpt3-175b"], Cluster(8, 80e9), Training.megatron2(64, 2048))

@@ -44,6 +44,23 @@ class Training:
     recompute: tuple[str, ...] = RECOMPUTE
     zero1: tuple[bool, ...] = (False, True)
     sequence_parallel: bool = True  # Megatron-3 SP with every TP > 1 (False: Megatron-2's feature set)
+    # Model state per parameter (SPEC section 4): 16-bit weights and grads, fp32 master + Adam m, v.
+    weight_bytes: float = 2
+    grad_bytes: float = 2
+    optimizer_bytes: float = 12  # what ZeRO-1 shards
+    # Megatron-2 waits for each stage-boundary exchange (batch_isend_irecv + wait) before computing
+    # on: the transfer adds to the stage's time. False: the simulator overlaps it (torchpp's runtime).
+    blocking_p2p: bool = False
+
+    @classmethod
+    def megatron2(cls, global_batch: int, seq_len: int) -> "Training":
+        """The PTD-P paper's (arXiv 2104.04473) feature set: no sequence parallelism, no ZeRO,
+        full recompute, 1F1B and interleaved 1F1B, and Megatron's fp16 optimizer: fp16 weights
+        and grads (2 + 2), fp32 master weights, Adam m and v and an fp32 copy of the grads
+        (4 x 4): 20 bytes per parameter (Megatron-core's distributed-optimizer table)."""
+        return cls(global_batch, seq_len, schedules=(("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)),
+                   recompute=("full",), zero1=(False,), sequence_parallel=False, optimizer_bytes=16,
+                   blocking_p2p=True)
 
 
 @dataclass(frozen=True)
@@ -120,11 +137,12 @@ def plan(model: ModelConfig, cluster: Cluster, training: Training) -> Plan:
 def _check_possible(model: ModelConfig, cluster: Cluster, training: Training) -> None:
     total = cluster.num_gpus * cluster.gpu_memory
     # However it is sharded, every weight, gradient and optimizer state must live somewhere.
-    if model_state_bytes(model.num_parameters) > total:
+    per_parameter = training.weight_bytes + training.grad_bytes + training.optimizer_bytes
+    if model.num_parameters * per_parameter > total:
         raise PlanError(
             f"{model.name} has {model.num_parameters / 1e9:.1f}B parameters needing "
-            f"{model_state_bytes(model.num_parameters) / 1e9:.0f} GB for weights, gradients and Adam state "
-            f"(16 bytes each), more than all memory: {cluster.num_gpus} GPUs x "
+            f"{model.num_parameters * per_parameter / 1e9:.0f} GB for weights, gradients and Adam state "
+            f"({per_parameter:g} bytes each), more than all memory: {cluster.num_gpus} GPUs x "
             f"{cluster.gpu_memory / 1e9:.0f} GB = {total / 1e9:.0f} GB")
     if training.global_batch < 1 or training.seq_len < 1:
         raise PlanError(f"global batch ({training.global_batch}) and sequence length ({training.seq_len}) must be >= 1")
@@ -167,6 +185,17 @@ def _link(cluster: Cluster, span: int) -> float:
     return cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth
 
 
+def _p2p_seconds(cluster: Cluster, nbytes: float, t: int, d: int, p: int) -> float:
+    """One stage-boundary transfer of ``nbytes`` (b*s*h elements) with Megatron-2's scatter/gather
+    (SPEC section 5): each TP rank sends nbytes/t, the receivers all-gather it inside the node.
+    A stage's ranks are t*d consecutive GPUs, so the pipeline crosses nodes as soon as its p*t*d
+    ranks span more than one; every boundary then waits on its slowest (inter-node) hop."""
+    crosses = t * d * p > cluster.gpus_per_node
+    send = nbytes / t / (cluster.inter_node_bandwidth if crosses else cluster.intra_node_bandwidth)
+    gather = (t - 1) / t * nbytes / cluster.intra_node_bandwidth if t > 1 else 0.0
+    return send + gather
+
+
 def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: Layout) -> Candidate:
     """Step time, bubble and per-GPU memory of one layout (rank order: TP fastest, then DP, then PP)."""
     t, p, d, b, v = layout.tp, layout.pp, layout.dp, layout.micro_batch, layout.chunks
@@ -190,11 +219,13 @@ def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: L
     w_stage = layers_per_stage * w_layer / flops_rate
     # The output layer (logits, loss) sits on the last stage.
     head = 2 * b * s * h * model.vocab / flops_rate
-    f = tuple(f_stage + (head if k == stages - 1 else 0.0) for k in range(stages))
-    i = tuple(i_stage + (head if k == stages - 1 else 0.0) for k in range(stages))
+    p2p = _p2p_seconds(cluster, b * s * h * e, t, d, p) if p > 1 else 0.0
+    # Blocking exchanges: one after each stage's forward (send output, receive a gradient) and one
+    # after its backward (send the gradient, receive the next input).
+    exposed = p2p if training.blocking_p2p else 0.0
+    f = tuple(f_stage + exposed + (head if k == stages - 1 else 0.0) for k in range(stages))
+    i = tuple(i_stage + exposed + (head if k == stages - 1 else 0.0) for k in range(stages))
     w = tuple(w_stage + (head if k == stages - 1 else 0.0) for k in range(stages))
-    # Scatter/gather: each TP rank sends b*s*h/t; consecutive stages are t*d ranks apart.
-    p2p = b * s * h * e / t / _link(cluster, t * d * p) if p > 1 else 0.0
 
     if p == 1:
         makespan = layout.num_microbatches * (f[0] + i[0] + w[0])
@@ -210,18 +241,25 @@ def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: L
     act_layer = layer_activation_bytes(s, b, h, model.heads, t, sequence_parallel=training.sequence_parallel and t > 1,
                                        recompute=layout.recompute, element_bytes=e)
     logits = 4.0 * b * s * model.vocab / t  # fp32 logits of the microbatch in its loss
+    # Recompute rebuilds one layer's activations in its backward: they are live on top of the kept ones.
+    working = 0.0 if layout.recompute == "none" else layer_activation_bytes(
+        s, b, h, model.heads, t, sequence_parallel=training.sequence_parallel and t > 1, element_bytes=e)
     last_rank = 0 if layout.schedule in ("zb-v", "dualpipe-v") else p - 1
     memory = []
     for rank in range(p):
-        state = model_state_bytes(params_per_rank[rank] / t, dp=d, zero1=layout.zero1, weight_bytes=e, grad_bytes=e)
-        activations = peaks[rank] * layers_per_stage * act_layer + (logits if rank == last_rank else 0.0)
+        state = model_state_bytes(params_per_rank[rank] / t, dp=d, zero1=layout.zero1, weight_bytes=training.weight_bytes,
+                                  grad_bytes=training.grad_bytes, optimizer_bytes=training.optimizer_bytes)
+        activations = (peaks[rank] * layers_per_stage * act_layer + working
+                       + (logits if rank == last_rank else 0.0))
         memory.append(state + activations)
 
     work_per_rank = layout.num_microbatches * (sum(f) + sum(i) + sum(w)) / p
     tp_comm = layout.num_microbatches * v * layers_per_stage * (4 + recompute_allreduces) * tp_allreduce
+    pp_comm = layout.num_microbatches * v * 2 * exposed
     breakdown = {
-        "compute": work_per_rank - tp_comm,
+        "compute": work_per_rank - tp_comm - pp_comm,
         "tp_comm": tp_comm,
+        "pp_comm": pp_comm,
         "pipeline_idle": makespan - work_per_rank,  # bubble, exposed sends, the head's extra stage load
         "dp_sync": dp_sync,
     }
