@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -284,7 +284,7 @@ def parallelize(
     n_microbatches: Optional[int] = None,
     sequence_parallel: bool = False,
     recompute: Optional[str] = None,
-    split: Optional[Sequence[int]] = None,
+    split: Optional[Union[Sequence[int], str]] = None,
     state: Optional[ParallelState] = None,
 ) -> ParallelCausalLM:
     """Shards a transformers causal LM over tensor- and pipeline-parallel ranks.
@@ -305,7 +305,8 @@ def parallelize(
         n_microbatches: microbatches per step (default: pp).
         sequence_parallel: keep norms/dropout on sequence slices (Megatron-3).
         recompute: None, "full" (checkpoint each block) or "selective" (attention core only).
-        split: first decoder-layer index of each model stage after the first; default even.
+        split: first decoder-layer index of each model stage after the first; default even;
+            "auto": a quick profile and torchpp.plan's partitioner choose it (models/auto_split.py).
         state: the ParallelState (default: the current one, or init_parallel(tp, pp)).
 
     Returns:
@@ -322,6 +323,10 @@ def parallelize(
     num_stages, mine, rank_of = _placement(schedule, state.pp, n_microbatches, state.pp_rank)
     ctx = ConversionContext(state.tp_group, sequence_parallel, recompute, split_bw=state.pp > 1)
     family = FAMILIES[model_type](model, ctx)
+    if isinstance(split, str) and split == "auto":
+        from torchpp.models.auto_split import auto_split
+
+        split = auto_split(model, num_stages, state.pp, rank_of)
     bounds = layer_bounds(family.num_layers, num_stages, split)
     rotary = family.rotary()
     built: Dict[int, CausalLMStage] = {}
