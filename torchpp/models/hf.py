@@ -345,6 +345,8 @@ def parallelize(
                 _tie(ctx.exports, built[last].head.output, built[first].embedding.tokens.weight)
         else:
             embedding_group = _embedding_group(state, rank_of[first], rank_of[last])
+            if last in built:  # after finish_grads both copies hold the same gradient: count it once
+                built[last].head.output.weight.shared_duplicate = True
     stages = [built[i] for i in mine]
     wrapped = ParallelCausalLM(stages, mine, state, ctx, family.vocab_size, embedding_group).to(state.device)
     if state.pp > 1:
