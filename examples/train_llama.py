@@ -56,9 +56,9 @@ def progression_batch(generator, batch, seq, vocab):
 
 def step_loss(model, loss, state):
     """The batch loss on every rank: held by the last stage, averaged over dp."""
-    value = loss.detach().reshape(()) if loss is not None else torch.zeros(())
-    if not model.has_last_stage:
-        value = torch.zeros(())
+    value = torch.zeros((), device=state.device)
+    if model.has_last_stage and loss is not None:
+        value = loss.detach().reshape(()).to(state.device)
     dist.all_reduce(value, group=state.pp_group)  # only the last stage holds a non-zero loss
     if state.tp > 1:
         value /= state.tp  # every TP rank of the last stage holds the same loss
@@ -93,7 +93,7 @@ def main():
     bar = tqdm(range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step")
     for step in bar:
         start = time.perf_counter()
-        ids = progression_batch(data, local_batch, args.seq, config.vocab_size)
+        ids = progression_batch(data, local_batch, args.seq, config.vocab_size).to(state.device)
         optimizer.zero_grad()
         loss = model.step(ids if model.has_first_stage else None, labels=ids if model.has_last_stage else None)
         norm = optimizer.step()
