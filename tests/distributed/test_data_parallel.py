@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torchpp.tensor_parallel as tp
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
 from torchpp.parallel import GradReducer, ZeroRedundancyOptimizer, clip_grad_norm_, init_parallel, rank_grid
-from tp_reference import assert_close
+from tp_reference import assert_close, singleton_group
 
 CONFIG = GPTConfig(vocab_size=32, hidden_size=16, num_heads=4, num_layers=2, max_seq_len=8)
 BATCH, MICROBATCHES, STEPS, MAX_NORM = 8, 2, 3, 0.5
@@ -55,11 +55,7 @@ def _data():
 
 def _reference_losses():
     """One process, the full batch, torch's own clipping and AdamW."""
-    alone = None
-    for r in range(dist.get_world_size()):
-        group = dist.new_group([r])
-        if r == dist.get_rank():
-            alone = group
+    alone = singleton_group()
     torch.manual_seed(11)
     # fp64: the key bias has an exactly-zero gradient (softmax ignores it), and Adam would turn
     # fp32 rounding noise of ~1e-9 there into full-size, order-dependent updates.

@@ -7,20 +7,12 @@ import torch.nn.functional as F
 import torchpp.tensor_parallel as tp
 from torchpp.parallel import GradReducer
 from torchpp.pipeline import weight_grad_store
-
-
-def _singleton_group():
-    mine = None
-    for r in range(dist.get_world_size()):
-        group = dist.new_group([r])
-        if r == dist.get_rank():
-            mine = group
-    return mine
+from tp_reference import singleton_group
 
 
 def check_bucket_waits_for_w():
     world = dist.get_world_size()
-    alone = _singleton_group()
+    alone = singleton_group()
     torch.manual_seed(0)
     layers = [tp.ColumnParallelLinear(4, 4, group=alone, split_bw=True) for _ in range(2)]
     params = [p for layer in layers for p in layer.parameters()]

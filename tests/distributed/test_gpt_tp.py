@@ -5,20 +5,12 @@ import torch.distributed as dist
 
 import torchpp.tensor_parallel as tp
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
-from tp_reference import assert_close, tp_subgroup
+from tp_reference import assert_close, tp_subgroup, singleton_group
 
-
-def _singleton_group():
-    mine = None
-    for r in range(dist.get_world_size()):
-        group = dist.new_group([r])
-        if r == dist.get_rank():
-            mine = group
-    return mine
 
 
 def check_gpt(tp_size, sequence_parallel, dtype):
-    group, alone = tp_subgroup(tp_size), _singleton_group()
+    group, alone = tp_subgroup(tp_size), singleton_group()
     config = GPTConfig(vocab_size=32, hidden_size=16, num_heads=4, num_layers=2, max_seq_len=8)
     torch.manual_seed(5)
     tokens = torch.randint(0, 32, (2, 8))

@@ -9,6 +9,7 @@ from torchpp import schedule as S
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
 from torchpp.parallel import DistributedOptimizer, finalize_grads, init_parallel
 from torchpp.pipeline import PipelineStage, build_schedule, split_model
+from tp_reference import singleton_group
 
 BATCH, MICROBATCHES, STEPS, MAX_NORM, LR = 8, 4, 3, 0.5, 1e-2
 CHUNKS = {"interleaved-1f1b": 2, "zb-v": 2}
@@ -28,11 +29,7 @@ def _data():
 
 
 def _reference_losses(schedule):
-    alone = None
-    for r in range(dist.get_world_size()):
-        group = dist.new_group([r])
-        if r == dist.get_rank():
-            alone = group
+    alone = singleton_group()
     torch.manual_seed(11)
     model = GPT(_config(schedule), group=alone)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -60,3 +60,14 @@ def attention_core(q_proj, k_proj, v_proj, x, heads):
 
     out = F.scaled_dot_product_attention(split_heads(q_proj(x)), split_heads(k_proj(x)), split_heads(v_proj(x)), is_causal=True)
     return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def singleton_group():
+    """A group of this rank alone (every rank creates every such group, in the same order):
+    what a one-process reference model's layers are built over."""
+    mine = None
+    for r in range(dist.get_world_size()):
+        group = dist.new_group([r])
+        if r == dist.get_rank():
+            mine = group
+    return mine
