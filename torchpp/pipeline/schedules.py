@@ -167,7 +167,10 @@ class PipelineSchedule:
             work.wait()
         flat.add_(theirs)
         for param, summed in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
-            param.grad = summed.clone()
+            if param.grad is None:
+                param.grad = summed.clone()
+            else:  # in place: .grad may be a view of a data-parallel bucket
+                param.grad.copy_(summed)
 
     # ---- measurements ----
     @property
