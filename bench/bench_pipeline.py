@@ -2,7 +2,8 @@
 
   1. Step time of torchpp vs torch.distributed.pipelining: same model, same schedule
      (1F1B, interleaved 1F1B, and the zero-bubble ZB-V), ratio torchpp / torch.
-  2. Engine overhead per action: tiny stages, m=64 (step time / compute actions per rank).
+  2. Engine overhead per action: tiny stages, m=64 (step time / compute actions per rank), and
+     net of a straight-line floor doing the same work and messages (what the engine adds).
   3. Split B/W linear: I + W time over a standard linear backward at a large size.
   4. Real measured bubble of zb-h1 and 1f1b against the simulator's prediction from the
      measured F/I/W costs.
@@ -99,6 +100,59 @@ def torch_step_fn(cls_name, width, m, ids, num_stages, group):
     return step
 
 
+def straight_line_step_fn(name, per_rank, m, ids, num_stages, group):
+    """The floor an engine is measured against: this rank's lowered torchpp action list run as
+    a plain Python loop with nothing but the work itself (the same stage forwards/backwards,
+    the same isend/irecv in the same order, each receive waited right before its consumer).
+    Engine overhead = engine step time - this, so the gloo latency both engines pay cancels."""
+    from torchpp import schedule as S
+    from torchpp.pipeline.trace import parse_action
+
+    sch = S.generate(name, num_ranks=P, num_microbatches=m, num_chunks=per_rank)
+    actions = [parse_action(a) for a in sch.lowered().actions(dist.get_rank(group))]
+    modules = {s: stage_module(TINY, False, s) for s in ids}
+    x, y = torch.randn(m, TINY).chunk(m), torch.randn(m, TINY).chunk(m)
+    peer = lambda stage: dist.get_global_rank(group, sch.stage_to_rank[stage])  # noqa: E731
+    me = dist.get_rank(group)
+    local = lambda stage: 0 <= stage < num_stages and sch.stage_to_rank[stage] == me  # noqa: E731
+
+    def step():
+        inputs, outputs, received, sends = {}, {}, {}, []
+        for stage, kind, mb in actions:
+            if kind in ("RECV_F", "RECV_B"):
+                buf = torch.empty(1, TINY)
+                src = stage - 1 if kind == "RECV_F" else stage + 1
+                received[(kind, stage, mb)] = (dist.irecv(buf, peer(src), group=group), buf)
+            elif kind == "F":
+                if stage == 0:
+                    inp = x[mb]
+                elif local(stage - 1):  # the turn of a V stays on this rank: no message
+                    inp = outputs[(stage - 1, mb)].detach().requires_grad_()
+                else:
+                    work, buf = received.pop(("RECV_F", stage, mb))
+                    work.wait()
+                    inp = buf.requires_grad_()
+                inputs[(stage, mb)], outputs[(stage, mb)] = inp, modules[stage](inp)
+            elif kind in ("B", "I"):
+                out = outputs.pop((stage, mb))
+                if stage == num_stages - 1:
+                    F.mse_loss(out, y[mb]).backward()
+                elif local(stage + 1):
+                    out.backward(inputs.pop((stage + 1, mb)).grad)
+                else:
+                    work, buf = received.pop(("RECV_B", stage, mb))
+                    work.wait()
+                    out.backward(buf)
+            elif kind == "SEND_F":
+                sends.append(dist.isend(outputs[(stage, mb)].detach(), peer(stage + 1), group=group))
+            elif kind == "SEND_B":
+                sends.append(dist.isend(inputs.pop((stage, mb)).grad, peer(stage - 1), group=group))
+            # W: the floor runs whole backwards in I/B, so W has nothing left to do.
+        for work in sends:
+            work.wait()
+    return step
+
+
 def bench_pairs(rank, repeats, width, m, group):
     rows = []
     for label, name, cls_name, per_rank, placement in PAIRS:
@@ -106,13 +160,16 @@ def bench_pairs(rank, repeats, width, m, group):
         num_stages = P * per_rank
         ours, _ = torchpp_step_fn(name, width, m, ids, num_stages, group)
         theirs = torch_step_fn(cls_name, width, m, ids, num_stages, group)
-        # Alternate the two engines so machine noise hits both alike.
-        t_ours, t_theirs = [], []
+        floor = straight_line_step_fn(name, per_rank, m, ids, num_stages, group) if width == TINY else None
+        # Alternate the engines (and the floor) so machine noise hits all alike.
+        t_ours, t_theirs, t_floor = [], [], []
         for _ in range(3):
             t_ours += timed_steps(ours, repeats // 3 + 1)
             t_theirs += timed_steps(theirs, repeats // 3 + 1)
+            if floor is not None:
+                t_floor += timed_steps(floor, repeats // 3 + 1)
         actions = 2 * m * per_rank if name != "zb-v" else 3 * m * per_rank  # F+B, or F+I+W
-        rows.append((label, summary(t_ours), summary(t_theirs), actions))
+        rows.append((label, summary(t_ours), summary(t_theirs), actions, summary(t_floor) if t_floor else None))
     return rows
 
 
@@ -220,13 +277,17 @@ def main():
     print(f"p={P}, CPU gloo, 1 thread per rank; median [p10, p90] over {args.repeats}+ steps\n")
     print(f"1. step time, stages of 2 x Linear({HIDDEN},{HIDDEN}), batch {BATCH}, m={M}")
     print("| schedule | torchpp | torch.distributed.pipelining | ratio torchpp/torch |\n|---|---|---|---|")
-    for label, ours, theirs, _ in step_rows:
+    for label, ours, theirs, _, _ in step_rows:
         print(f"| {label} | {fmt(ours)} | {fmt(theirs)} | {ours[0] / theirs[0]:.2f} |")
     print(f"\n2. engine overhead per compute action, stages of 2 x Linear({TINY},{TINY}), m={TINY_M}, microbatch of 1 row")
-    print("| schedule | torchpp per action | torch per action | ratio torchpp/torch |\n|---|---|---|---|")
-    for label, ours, theirs, actions in overhead_rows:
+    print("| schedule | torchpp per action | torch per action | ratio | straight-line floor per action | "
+          "torchpp overhead | torch overhead | overhead ratio |\n|---|---|---|---|---|---|---|---|")
+    for label, ours, theirs, actions, floor in overhead_rows:
         per = lambda s: tuple(v / actions for v in s)  # noqa: E731
-        print(f"| {label} | {fmt(per(ours), 1e6, 'us')} | {fmt(per(theirs), 1e6, 'us')} | {ours[0] / theirs[0]:.2f} |")
+        over_ours, over_theirs = (ours[0] - floor[0]) / actions, (theirs[0] - floor[0]) / actions
+        print(f"| {label} | {fmt(per(ours), 1e6, 'us')} | {fmt(per(theirs), 1e6, 'us')} | {ours[0] / theirs[0]:.2f} | "
+              f"{fmt(per(floor), 1e6, 'us')} | {over_ours * 1e6:.0f} us | {over_theirs * 1e6:.0f} us | "
+              f"{over_ours / over_theirs:.2f} |")
     s_split, s_std = split
     print("\n3. split B/W linear, x 2048x1024, W 1024x1024 (fp32, 1 thread)")
     print(f"I + W: {fmt(s_split)}; standard linear backward: {fmt(s_std)}; ratio {s_split[0] / s_std[0]:.3f}")
