@@ -4,10 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import torchpp.tensor_parallel as tp
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
 from torchpp.parallel import GradReducer, ZeroRedundancyOptimizer, clip_grad_norm_, init_parallel, rank_grid
-from tp_reference import assert_close, singleton_group
+from tp_reference import assert_close, singleton_group, train_reference
 
 CONFIG = GPTConfig(vocab_size=32, hidden_size=16, num_heads=4, num_layers=2, max_seq_len=8)
 BATCH, MICROBATCHES, STEPS, MAX_NORM = 8, 2, 3, 0.5
@@ -60,17 +59,9 @@ def _reference_losses():
     # fp64: the key bias has an exactly-zero gradient (softmax ignores it), and Adam would turn
     # fp32 rounding noise of ~1e-9 there into full-size, order-dependent updates.
     model = GPT(CONFIG, group=alone).double()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens, labels = _data()
-    losses = []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = gpt_loss(model(tokens), labels, alone)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        losses.append(loss.detach())
-    return torch.stack(losses), model, optimizer
+    losses, optimizer = train_reference(model, tokens, labels, alone, STEPS, 1e-2, MAX_NORM)
+    return losses, model, optimizer
 
 
 def check_training(tp_size, zero):

@@ -9,7 +9,7 @@ from torchpp import schedule as S
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
 from torchpp.parallel import DistributedOptimizer, finalize_grads, init_parallel
 from torchpp.pipeline import PipelineStage, build_schedule, split_model
-from tp_reference import singleton_group
+from tp_reference import singleton_group, train_reference
 
 BATCH, MICROBATCHES, STEPS, MAX_NORM, LR = 8, 4, 3, 0.5, 1e-2
 CHUNKS = {"interleaved-1f1b": 2, "zb-v": 2}
@@ -32,17 +32,8 @@ def _reference_losses(schedule):
     alone = singleton_group()
     torch.manual_seed(11)
     model = GPT(_config(schedule), group=alone)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens, labels = _data()
-    losses = []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = gpt_loss(model(tokens), labels, alone)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        losses.append(loss.detach())
-    return torch.stack(losses)
+    return train_reference(model, tokens, labels, alone, STEPS, LR, MAX_NORM)[0]
 
 
 def train_ptdp(dp, pp, tp, schedule, zero):
