@@ -1,14 +1,19 @@
 """Pipeline runtime figures (p=2, CPU gloo), every comparison within one run.
 
   1. Step time of torchpp vs torch.distributed.pipelining: same model, same schedule
-     (1F1B, interleaved 1F1B, and the zero-bubble ZB-V), ratio torchpp / torch.
-  2. Engine overhead per action: tiny stages, m=64 (step time / compute actions per rank), and
-     net of a straight-line floor doing the same work and messages (what the engine adds).
+     (1F1B, interleaved 1F1B, and the zero-bubble ZB-V), the two engines alternating step by
+     step; the ratio is the median of the per-pair ratios torchpp / torch.
+  2. Engine overhead per compute action: tiny stages, m=64. Overhead = CPU time of the rank's
+     thread during a step minus the CPU time of the same stage computations (forward, loss,
+     backward of plain nn.Linear stages) run back to back with no engine and no messages, with
+     the other rank idle. What is left is each engine's own work: scheduling, bookkeeping,
+     microbatching, and posting/completing its messages. CPU time, not wall time, so the gloo
+     latency both engines wait on (and this box's scheduling noise) does not count.
   3. Split B/W linear: I + W time over a standard linear backward at a large size.
   4. Real measured bubble of zb-h1 and 1f1b against the simulator's prediction from the
      measured F/I/W costs.
 
-    PYTHONPATH=. python bench/bench_pipeline.py [--repeats 15]
+    PYTHONPATH=. python bench/bench_pipeline.py [--repeats 40]
 """
 from __future__ import annotations
 
@@ -52,16 +57,14 @@ def stage_module(width: int, split: bool, seed: int) -> nn.Module:
     return nn.Sequential(linear(width, width), nn.GELU(), linear(width, width))
 
 
-def timed_steps(step, repeats: int, warmup: int = 3):
-    times = []
-    for k in range(warmup + repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        if k >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+def timed_step(step):
+    """Wall and this thread's CPU seconds of one step, barriers outside the timing."""
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    step()
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    dist.barrier()
+    return wall, cpu
 
 
 def summary(times):
@@ -69,12 +72,19 @@ def summary(times):
     return statistics.median(ordered), ordered[len(ordered) // 10], ordered[-1 - len(ordered) // 10]
 
 
-def torchpp_step_fn(name, width, m, ids, num_stages, group):
+def batch_rows(width, m):
+    return BATCH if width == HIDDEN else m
+
+
+def torchpp_step_fn(name, width, m, ids, num_stages, group, split=None):
+    """torchpp's step on this rank's stages. The stages are exactly torch's model (nn.Linear)
+    except under zero-bubble schedules, whose W passes need torchpp's split-B/W linears."""
     from torchpp.pipeline import PipelineStage, build_schedule
 
-    stages = [PipelineStage(stage_module(width, True, s), s, num_stages, "cpu", group=group) for s in ids]
+    split = name.startswith("zb") if split is None else split
+    stages = [PipelineStage(stage_module(width, split, s), s, num_stages, "cpu", group=group) for s in ids]
     sched = build_schedule(name, stages, m, loss_fn=F.mse_loss)
-    x, y = torch.randn(BATCH if width == HIDDEN else m, width), torch.randn(BATCH if width == HIDDEN else m, width)
+    x, y = torch.randn(batch_rows(width, m), width), torch.randn(batch_rows(width, m), width)
     return (lambda: sched.step(x, target=y)), sched
 
 
@@ -85,8 +95,7 @@ def torch_step_fn(cls_name, width, m, ids, num_stages, group):
               for s in ids]
     cls = getattr(tpp, cls_name)
     sched = cls(stages if len(stages) > 1 else stages[0], m, loss_fn=F.mse_loss)
-    batch = BATCH if width == HIDDEN else m
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    x, y = torch.randn(batch_rows(width, m), width), torch.randn(batch_rows(width, m), width)
     holds_first = 0 in ids
     holds_last = num_stages - 1 in ids
 
@@ -100,57 +109,49 @@ def torch_step_fn(cls_name, width, m, ids, num_stages, group):
     return step
 
 
-def straight_line_step_fn(name, per_rank, m, ids, num_stages, group):
-    """The floor an engine is measured against: this rank's lowered torchpp action list run as
-    a plain Python loop with nothing but the work itself (the same stage forwards/backwards,
-    the same isend/irecv in the same order, each receive waited right before its consumer).
-    Engine overhead = engine step time - this, so the gloo latency both engines pay cancels."""
+def compute_floor_fn(name, per_rank, m, ids, num_stages, num_ranks=P):
+    """This rank's stage computations in schedule order with no engine and no messages: each F
+    runs the stage forward (and the loss on the last stage), each B or I a full backward of
+    plain nn.Linear stages (W then has nothing left). Plain linears also for ZB-V, where
+    torchpp runs split ones, so the split op's own cost counts against torchpp."""
     from torchpp import schedule as S
     from torchpp.pipeline.trace import parse_action
 
-    sch = S.generate(name, num_ranks=P, num_microbatches=m, num_chunks=per_rank)
-    actions = [parse_action(a) for a in sch.lowered().actions(dist.get_rank(group))]
+    sch = S.generate(name, num_ranks=num_ranks, num_microbatches=m, num_chunks=per_rank)
+    actions = [parse_action(a) for a in sch.lowered().actions(dist.get_rank() % num_ranks)]
     modules = {s: stage_module(TINY, False, s) for s in ids}
     x, y = torch.randn(m, TINY).chunk(m), torch.randn(m, TINY).chunk(m)
-    peer = lambda stage: dist.get_global_rank(group, sch.stage_to_rank[stage])  # noqa: E731
-    me = dist.get_rank(group)
-    local = lambda stage: 0 <= stage < num_stages and sch.stage_to_rank[stage] == me  # noqa: E731
+    grad, seed = torch.randn(1, TINY), torch.randn(1, TINY)
 
     def step():
-        inputs, outputs, received, sends = {}, {}, {}, []
+        outputs = {}
         for stage, kind, mb in actions:
-            if kind in ("RECV_F", "RECV_B"):
-                buf = torch.empty(1, TINY)
-                src = stage - 1 if kind == "RECV_F" else stage + 1
-                received[(kind, stage, mb)] = (dist.irecv(buf, peer(src), group=group), buf)
-            elif kind == "F":
-                if stage == 0:
-                    inp = x[mb]
-                elif local(stage - 1):  # the turn of a V stays on this rank: no message
-                    inp = outputs[(stage - 1, mb)].detach().requires_grad_()
-                else:
-                    work, buf = received.pop(("RECV_F", stage, mb))
-                    work.wait()
-                    inp = buf.requires_grad_()
-                inputs[(stage, mb)], outputs[(stage, mb)] = inp, modules[stage](inp)
+            if kind == "F":
+                # A fresh leaf as the engines make of a received activation.
+                inp = x[mb] if stage == 0 else seed.detach().requires_grad_()
+                out = modules[stage](inp)
+                outputs[(stage, mb)] = F.mse_loss(out, y[mb]) if stage == num_stages - 1 else out
             elif kind in ("B", "I"):
                 out = outputs.pop((stage, mb))
-                if stage == num_stages - 1:
-                    F.mse_loss(out, y[mb]).backward()
-                elif local(stage + 1):
-                    out.backward(inputs.pop((stage + 1, mb)).grad)
-                else:
-                    work, buf = received.pop(("RECV_B", stage, mb))
-                    work.wait()
-                    out.backward(buf)
-            elif kind == "SEND_F":
-                sends.append(dist.isend(outputs[(stage, mb)].detach(), peer(stage + 1), group=group))
-            elif kind == "SEND_B":
-                sends.append(dist.isend(inputs.pop((stage, mb)).grad, peer(stage - 1), group=group))
-            # W: the floor runs whole backwards in I/B, so W has nothing left to do.
-        for work in sends:
-            work.wait()
+                out.backward(None if stage == num_stages - 1 else grad)
     return step
+
+
+def timed_step_local(step):
+    wall, cpu = time.perf_counter(), time.thread_time()
+    step()
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def alone(step):
+    """CPU seconds of one `step` on this rank, run while every other rank waits its turn."""
+    cpu = None
+    for turn in range(P):
+        dist.barrier()
+        if dist.get_rank() == turn:
+            cpu = timed_step_local(step)[1]
+    dist.barrier()
+    return cpu
 
 
 def bench_pairs(rank, repeats, width, m, group):
@@ -160,16 +161,44 @@ def bench_pairs(rank, repeats, width, m, group):
         num_stages = P * per_rank
         ours, _ = torchpp_step_fn(name, width, m, ids, num_stages, group)
         theirs = torch_step_fn(cls_name, width, m, ids, num_stages, group)
-        floor = straight_line_step_fn(name, per_rank, m, ids, num_stages, group) if width == TINY else None
-        # Alternate the engines (and the floor) so machine noise hits all alike.
-        t_ours, t_theirs, t_floor = [], [], []
-        for _ in range(3):
-            t_ours += timed_steps(ours, repeats // 3 + 1)
-            t_theirs += timed_steps(theirs, repeats // 3 + 1)
+        floor = compute_floor_fn(name, per_rank, m, ids, num_stages) if width == TINY else None
+        for _ in range(3):  # warm up all
+            timed_step(ours)
+            timed_step(theirs)
             if floor is not None:
-                t_floor += timed_steps(floor, repeats // 3 + 1)
+                alone(floor)
+        # Alternate step by step so the machine's drift hits both engines (and the floor) alike.
+        wall = {"ours": [], "theirs": []}
+        cpu = {"ours": [], "theirs": [], "floor": []}
+        for _ in range(repeats):
+            for key, fn in (("ours", ours), ("theirs", theirs)):
+                w, c = timed_step(fn)
+                wall[key].append(w)
+                cpu[key].append(c)
+            if floor is not None:
+                cpu["floor"].append(alone(floor))
         actions = 2 * m * per_rank if name != "zb-v" else 3 * m * per_rank  # F+B, or F+I+W
-        rows.append((label, summary(t_ours), summary(t_theirs), actions, summary(t_floor) if t_floor else None))
+        rows.append({"label": label, "wall": wall, "cpu": cpu, "actions": actions})
+    return rows
+
+
+def bench_engine_alone(repeats, group):
+    """Rank 0 alone (a one-rank pipeline group): every stage on one rank, so no messages at
+    all; CPU per compute action minus the compute floor is the engine's bookkeeping alone."""
+    rows = []
+    for label, name, cls_name, per_rank, _ in PAIRS:
+        ids = list(range(per_rank))
+        ours, _ = torchpp_step_fn(name, TINY, TINY_M, ids, per_rank, group)
+        theirs = torch_step_fn(cls_name, TINY, TINY_M, ids, per_rank, group)
+        floor = compute_floor_fn(name, per_rank, TINY_M, ids, per_rank, num_ranks=1)
+        cpu = {"ours": [], "theirs": [], "floor": []}
+        for k in range(repeats + 3):
+            for key, fn in (("ours", ours), ("theirs", theirs), ("floor", floor)):
+                c = timed_step_local(fn)[1]
+                if k >= 3:
+                    cpu[key].append(c)
+        actions = 2 * TINY_M * per_rank if name != "zb-v" else 3 * TINY_M * per_rank
+        rows.append((label, {k: statistics.median(v) * 1e6 / actions for k, v in cpu.items()}))
     return rows
 
 
@@ -180,7 +209,7 @@ def bench_bubble(rank, repeats, group):
     out = {}
     costs = None
     for name in ("zb-h1", "1f1b"):
-        step, sched = torchpp_step_fn(name, HIDDEN, M, [rank], P, group)
+        step, sched = torchpp_step_fn(name, HIDDEN, M, [rank], P, group, split=True)
         ratios, per_type, latencies = [], {"F": [], "I": [], "W": [], "B": []}, []
         for _ in range(repeats):
             dist.barrier()
@@ -247,10 +276,11 @@ def worker(rank, init_file, repeats, results):
     group = dist.group.WORLD
     step_rows = bench_pairs(rank, repeats, HIDDEN, M, group)
     overhead_rows = bench_pairs(rank, repeats, TINY, TINY_M, group)
-    bubbles, costs = bench_bubble(rank, repeats, group)
+    bubbles, costs = bench_bubble(rank, max(repeats // 2, 5), group)
+    alone_group = dist.new_group([0])
     split = bench_split_linear(repeats) if rank == 0 else None
-    if rank == 0:
-        results.put((step_rows, overhead_rows, bubbles, costs, split))
+    engine_alone = bench_engine_alone(repeats, alone_group) if rank == 0 else None
+    results.put((rank, step_rows, overhead_rows, bubbles, costs, split, engine_alone))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -260,9 +290,43 @@ def fmt(s, scale=1e3, unit="ms"):
     return f"{med * scale:.2f} {unit} [{lo * scale:.2f}, {hi * scale:.2f}]"
 
 
+def paired_ratio(ours, theirs):
+    """Median [p10, p90] of the per-pair ratios ours/theirs."""
+    return summary([a / b for a, b in zip(ours, theirs)])
+
+
+def print_step_rows(rows):
+    print(f"1. step time, stages of 2 x Linear({HIDDEN},{HIDDEN}), batch {BATCH}, m={M} (rank 0's wall clock)")
+    print("| schedule | torchpp | torch.distributed.pipelining | paired ratio torchpp/torch |\n|---|---|---|---|")
+    for row in rows:
+        ratio = paired_ratio(row["wall"]["ours"], row["wall"]["theirs"])
+        print(f"| {row['label']} | {fmt(summary(row['wall']['ours']))} | {fmt(summary(row['wall']['theirs']))} | "
+              f"{fmt(ratio, 1, '')} |")
+
+
+def print_overhead_rows(per_rank_rows):
+    print(f"\n2. engine overhead per compute action (CPU time), stages of 2 x Linear({TINY},{TINY}), m={TINY_M}, "
+          "microbatches of one row; mean over the ranks of their medians; the ratio is the median [p10, p90] "
+          "over the iterations (a torchpp step, a torch step, the floor on each rank)")
+    print("| schedule | wall per action torchpp / torch | CPU per action torchpp / torch | compute floor | "
+          "overhead torchpp | overhead torch | overhead ratio |\n|---|---|---|---|---|---|---|")
+    for rows in zip(*per_rank_rows):
+        label, actions = rows[0]["label"], rows[0]["actions"]
+        per_action = lambda values: sum(values) / len(values) * 1e6 / actions  # noqa: E731
+        wall = {k: per_action([statistics.median(r["wall"][k]) for r in rows]) for k in ("ours", "theirs")}
+        cpu = {k: per_action([statistics.median(r["cpu"][k]) for r in rows]) for k in ("ours", "theirs", "floor")}
+        over = {k: cpu[k] - cpu["floor"] for k in ("ours", "theirs")}
+        # Per iteration, each quantity averaged over the ranks.
+        iters = [{k: sum(r["cpu"][k][i] for r in rows) for k in ("ours", "theirs", "floor")}
+                 for i in range(len(rows[0]["cpu"]["floor"]))]
+        ratios = summary([(it["ours"] - it["floor"]) / (it["theirs"] - it["floor"]) for it in iters])
+        print(f"| {label} | {wall['ours']:.0f} / {wall['theirs']:.0f} us | {cpu['ours']:.0f} / {cpu['theirs']:.0f} us | "
+              f"{cpu['floor']:.0f} us | {over['ours']:.0f} us | {over['theirs']:.0f} us | {fmt(ratios, 1, '')} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -271,23 +335,20 @@ def main():
                  for r in range(P)]
         for proc in procs:
             proc.start()
-        step_rows, overhead_rows, bubbles, costs, split = results.get(timeout=900)
+        by_rank = dict((out[0], out[1:]) for out in (results.get(timeout=1800) for _ in range(P)))
         for proc in procs:
             proc.join()
-    print(f"p={P}, CPU gloo, 1 thread per rank; median [p10, p90] over {args.repeats}+ steps\n")
-    print(f"1. step time, stages of 2 x Linear({HIDDEN},{HIDDEN}), batch {BATCH}, m={M}")
-    print("| schedule | torchpp | torch.distributed.pipelining | ratio torchpp/torch |\n|---|---|---|---|")
-    for label, ours, theirs, _, _ in step_rows:
-        print(f"| {label} | {fmt(ours)} | {fmt(theirs)} | {ours[0] / theirs[0]:.2f} |")
-    print(f"\n2. engine overhead per compute action, stages of 2 x Linear({TINY},{TINY}), m={TINY_M}, microbatch of 1 row")
-    print("| schedule | torchpp per action | torch per action | ratio | straight-line floor per action | "
-          "torchpp overhead | torch overhead | overhead ratio |\n|---|---|---|---|---|---|---|---|")
-    for label, ours, theirs, actions, floor in overhead_rows:
-        per = lambda s: tuple(v / actions for v in s)  # noqa: E731
-        over_ours, over_theirs = (ours[0] - floor[0]) / actions, (theirs[0] - floor[0]) / actions
-        print(f"| {label} | {fmt(per(ours), 1e6, 'us')} | {fmt(per(theirs), 1e6, 'us')} | {ours[0] / theirs[0]:.2f} | "
-              f"{fmt(per(floor), 1e6, 'us')} | {over_ours * 1e6:.0f} us | {over_theirs * 1e6:.0f} us | "
-              f"{over_ours / over_theirs:.2f} |")
+    step_rows, _, bubbles, costs, split, engine_alone = by_rank[0]
+    print(f"p={P}, CPU gloo, 1 thread per rank; median [p10, p90] over {args.repeats} steps per engine\n")
+    print_step_rows(step_rows)
+    print_overhead_rows([by_rank[r][1] for r in range(P)])
+    print("\n2b. the same with no transport: every stage on one rank (a one-rank group), CPU per compute action")
+    print("| schedule | torchpp | torch | compute floor | overhead torchpp | overhead torch | overhead ratio |\n"
+          "|---|---|---|---|---|---|---|")
+    for label, cpu in engine_alone:
+        ours, theirs = cpu["ours"] - cpu["floor"], cpu["theirs"] - cpu["floor"]
+        print(f"| {label} | {cpu['ours']:.0f} us | {cpu['theirs']:.0f} us | {cpu['floor']:.0f} us | {ours:.0f} us | "
+              f"{theirs:.0f} us | {ours / theirs:.2f} |")
     s_split, s_std = split
     print("\n3. split B/W linear, x 2048x1024, W 1024x1024 (fp32, 1 thread)")
     print(f"I + W: {fmt(s_split)}; standard linear backward: {fmt(s_std)}; ratio {s_split[0] / s_std[0]:.3f}")

@@ -20,8 +20,10 @@ def _configs():
     configs = [dict(name=name) for name in S.SCHEDULES]
     configs += [dict(name=name, dtype=torch.float32) for name in S.SCHEDULES]
     # Uneven microbatches (16 rows into 6: sizes 3,3,3,3,2,2) and a sequence length that changes
-    # between steps (shapes are re-exchanged).
-    configs += [dict(name="zb-h1", m=6, batch=16, seq_lens=(6, 4)), dict(name="interleaved-1f1b", seq_lens=(5, 7))]
+    # between steps (shapes are re-exchanged), stays, and changes back; DualPipe has two ranks
+    # that see step inputs.
+    configs += [dict(name="zb-h1", m=6, batch=16, seq_lens=(6, 4, 4, 6)), dict(name="interleaved-1f1b", seq_lens=(5, 7)),
+                dict(name="dualpipe", seq_lens=(6, 4, 4))]
     return configs
 
 
