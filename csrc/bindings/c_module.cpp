@@ -1,11 +1,13 @@
 // torchpp._C: importing it runs the static TORCH_LIBRARY registrations of csrc/ops, and binds
 // the pipeline runtime (csrc/runtime) and the weight-gradient store of the split B/W linear.
 // The only file that includes torch/extension.h (it is slow to compile).
+#include <torch/csrc/jit/python/module_python.h>
 #include <torch/extension.h>
 
 #include "ops/split_linear_store.h"
 #include "runtime/executor.h"
 #include "runtime/failure.h"
+#include "runtime/script_stages.h"
 #include "schedule/trace.h"
 
 namespace py = pybind11;
@@ -49,7 +51,7 @@ std::unique_ptr<runtime::Executor> make_executor(
     int rank, std::vector<std::string> actions, std::vector<int> stage_to_rank, int stages_per_pipeline,
     std::string pp_group, std::string tp_group, int64_t tp_rank, int64_t tp_size, bool scatter_gather,
     std::vector<std::string> abort_groups, c10::Device device, std::map<int, at::Tensor> expected_inputs,
-    py::function forward) {
+    py::object forward, std::shared_ptr<runtime::ScriptStages> script) {
   runtime::ExecutorConfig config;
   config.rank = rank;
   config.actions = std::move(actions);
@@ -65,7 +67,33 @@ std::unique_ptr<runtime::Executor> make_executor(
   for (const auto& [stage, example] : expected_inputs) {
     config.expected_inputs[stage] = runtime::TensorMeta::of(example);
   }
-  return std::make_unique<runtime::Executor>(std::move(config), python_forward(std::move(forward)));
+  if (script) {  // TorchScript stages: the forward never enters Python
+    return std::make_unique<runtime::Executor>(
+        std::move(config), [script](int64_t stage, int64_t microbatch, const at::Tensor& input) {
+          return (*script)(stage, microbatch, input);
+        });
+  }
+  TORCH_CHECK(!forward.is_none(), "torchpp pipeline: an executor needs a forward callback or TorchScript stages");
+  return std::make_unique<runtime::Executor>(std::move(config), python_forward(forward.cast<py::function>()));
+}
+
+torch::jit::Module script_module(const py::handle& obj, const std::string& what) {
+  auto module = torch::jit::as_module(obj);
+  TORCH_CHECK(module.has_value(), "torchpp pipeline: ", what, " is not a torch.jit.ScriptModule");
+  return *module;
+}
+
+std::shared_ptr<runtime::ScriptStages> make_script_stages(const std::map<int, py::object>& modules,
+                                                          const py::object& loss, int stages_per_pipeline,
+                                                          bool scale_grads) {
+  std::map<int, torch::jit::Module> scripted;
+  for (const auto& [stage, module] : modules) {
+    scripted.emplace(stage, script_module(module, "stage " + std::to_string(stage)));
+  }
+  std::optional<torch::jit::Module> loss_module;
+  if (!loss.is_none()) loss_module = script_module(loss, "loss_fn");
+  return std::make_shared<runtime::ScriptStages>(scripted, loss_module ? &*loss_module : nullptr,
+                                                 stages_per_pipeline, scale_grads);
 }
 
 // The simulator's Chrome-trace writer, fed with measured times (microseconds) instead.
@@ -122,11 +150,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("wgrad_set_main_grad", &weight_grad_store::set_main_grad, py::arg("param"), py::arg("main_grad"));
 
   // ---- Pipeline executor ----
+  py::class_<runtime::ScriptStages, std::shared_ptr<runtime::ScriptStages>>(m, "ScriptStages")
+      .def(py::init(&make_script_stages), py::arg("modules"), py::arg("loss"), py::arg("stages_per_pipeline"),
+           py::arg("scale_grads"))
+      .def("set_step", &runtime::ScriptStages::set_step, py::arg("inputs"), py::arg("targets"), py::arg("weights"))
+      .def("losses", &runtime::ScriptStages::losses)
+      .def("outputs", &runtime::ScriptStages::outputs);
   py::class_<runtime::Executor>(m, "Executor")
       .def(py::init(&make_executor), py::arg("rank"), py::arg("actions"), py::arg("stage_to_rank"),
            py::arg("stages_per_pipeline"), py::arg("pp_group"), py::arg("tp_group"), py::arg("tp_rank"),
            py::arg("tp_size"), py::arg("scatter_gather"), py::arg("abort_groups"), py::arg("device"),
-           py::arg("expected_inputs"), py::arg("forward"))
+           py::arg("expected_inputs"), py::arg("forward") = py::none(), py::arg("script") = nullptr)
       .def("step", &runtime::Executor::step, py::arg("inputs_changed"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("peak_activations", &runtime::Executor::peak_activations)
       .def("timeline", [](const runtime::Executor& self) {

@@ -46,6 +46,7 @@ class PipelineSchedule:
         tp_group = first.tp_group
         groups = [self.group.group_name] + ([tp_group.group_name] if tp_group is not None else [])
         expected = {s: st.input_args for s, st in self._stage_of.items() if st.input_args is not None}
+        self._script = self._script_stages(loss_fn, scale_grads, spp)
         self._executor = _C.Executor(
             rank=self.rank,
             actions=self.lowered.actions(self.rank),
@@ -59,7 +60,8 @@ class PipelineSchedule:
             abort_groups=groups,
             device=self.device,
             expected_inputs=expected,
-            forward=self._forward,
+            forward=None if self._script is not None else self._forward,
+            script=self._script,
         )
         self._signature = None
         self._inputs: Optional[List[torch.Tensor]] = None
@@ -88,6 +90,20 @@ class PipelineSchedule:
                 f"{sorted(by_model_stage)}"
             )
         return {s: by_model_stage[sch.model_stage(s)] for s in mine}
+
+    def _script_stages(self, loss_fn, scale_grads: bool, spp: int):
+        """TorchScript stages (and loss) run from C++ without entering Python; None otherwise."""
+        scripted = all(isinstance(st.submod, torch.jit.ScriptModule) for st in self._stage_of.values())
+        loss_ok = not self._has_last or loss_fn is None or isinstance(loss_fn, torch.jit.ScriptModule)
+        if not (scripted and loss_ok):
+            return None
+        modules = {s: st.submod for s, st in self._stage_of.items()}
+        return _C.ScriptStages(modules, loss_fn if self._has_last else None, spp, scale_grads)
+
+    @property
+    def torchscript_stages(self) -> bool:
+        """Whether this rank's stages (and loss) run as TorchScript from C++, without Python."""
+        return self._script is not None
 
     # ---- the executor's callback ----
     def _forward(self, stage: int, microbatch: int, input: Optional[torch.Tensor]) -> torch.Tensor:
@@ -140,10 +156,14 @@ class PipelineSchedule:
         self._signature = signature
         self._losses.clear()
         self._outputs.clear()
+        if self._script is not None:
+            self._script.set_step(self._inputs or [], self._targets or [], self._weights)
         try:
             self._executor.step(changed)
         finally:
             self._inputs = self._targets = None
+        if self._script is not None:
+            self._losses, self._outputs = self._script.losses(), self._script.outputs()
         if self.schedule.num_pipelines == 2:
             self._sum_twin_gradients()
         mine = sorted(self._losses)
