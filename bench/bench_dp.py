@@ -25,15 +25,6 @@ from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
 from torchpp.parallel import GradReducer, ZeroRedundancyOptimizer
 
 
-def singleton_group():
-    mine = None
-    for r in range(dist.get_world_size()):
-        group = dist.new_group([r])
-        if r == dist.get_rank():
-            mine = group
-    return mine
-
-
 def state_bytes(optimizer):
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
@@ -49,7 +40,7 @@ def main():
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    alone = singleton_group()
+    alone = dist.new_subgroups(group_size=1)[0]  # this rank alone: the reference
     config = GPTConfig(vocab_size=512, hidden_size=args.hidden, num_heads=8, num_layers=args.layers, max_seq_len=args.seq)
     tokens = torch.randint(0, 512, (args.batch, args.seq))
 

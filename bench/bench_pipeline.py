@@ -109,7 +109,7 @@ def torch_step_fn(cls_name, width, m, ids, num_stages, group):
     return step
 
 
-def compute_floor_fn(name, per_rank, m, ids, num_stages, num_ranks=P):
+def compute_floor_fn(name, per_rank, m, ids, num_stages, num_ranks=P, rank=None):
     """This rank's stage computations in schedule order with no engine and no messages: each F
     runs the stage forward (and the loss on the last stage), each B or I a full backward of
     plain nn.Linear stages (W then has nothing left). Plain linears also for ZB-V, where
@@ -118,7 +118,7 @@ def compute_floor_fn(name, per_rank, m, ids, num_stages, num_ranks=P):
     from torchpp.pipeline.trace import parse_action
 
     sch = S.generate(name, num_ranks=num_ranks, num_microbatches=m, num_chunks=per_rank)
-    actions = [parse_action(a) for a in sch.lowered().actions(dist.get_rank() % num_ranks)]
+    actions = [parse_action(a) for a in sch.lowered().actions(dist.get_rank() if rank is None else rank)]
     modules = {s: stage_module(TINY, False, s) for s in ids}
     x, y = torch.randn(m, TINY).chunk(m), torch.randn(m, TINY).chunk(m)
     grad, seed = torch.randn(1, TINY), torch.randn(1, TINY)
@@ -190,7 +190,7 @@ def bench_engine_alone(repeats, group):
         ids = list(range(per_rank))
         ours, _ = torchpp_step_fn(name, TINY, TINY_M, ids, per_rank, group)
         theirs = torch_step_fn(cls_name, TINY, TINY_M, ids, per_rank, group)
-        floor = compute_floor_fn(name, per_rank, TINY_M, ids, per_rank, num_ranks=1)
+        floor = compute_floor_fn(name, per_rank, TINY_M, ids, per_rank, num_ranks=1, rank=0)
         cpu = {"ours": [], "theirs": [], "floor": []}
         for k in range(repeats + 3):
             for key, fn in (("ours", ours), ("theirs", theirs), ("floor", floor)):

@@ -55,5 +55,18 @@ def assert_grads_match(wrapped_grads, reference_grads, what):
         assert_close(grad, reference_grads[name], f"{what} grad of {name}")
 
 
+def check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what):
+    """One step of a parallelized model: its loss (on the last stage) and every local gradient
+    equal the reference's; returns the HF names this rank holds gradients for."""
+    loss = wrapped.step(ids, labels)
+    if wrapped.has_last_stage:
+        assert_close(loss, ref_loss, f"{what} loss")
+    else:
+        assert loss is None
+    grads = wrapped.hf_state_dict(grads=True)
+    assert_grads_match(grads, ref_grads, what)
+    return sorted(grads)
+
+
 def hf_names(model):
     return set(dict(model.named_parameters(remove_duplicate=False)))

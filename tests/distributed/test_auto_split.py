@@ -8,8 +8,7 @@ import torch.distributed as dist
 import torchpp
 from torchpp.models import parallelize
 from torchpp.models.auto_split import choose_split
-from hf_reference import assert_grads_match, batch, hf_names, reference_step, tiny_model
-from tp_reference import assert_close
+from hf_reference import batch, check_wrapped_step, hf_names, reference_step, tiny_model
 
 NUM_LAYERS = 6
 
@@ -59,14 +58,7 @@ def check_auto_split(schedule, n_microbatches):
     layers = {index: n for part in every for index, n in part.items()}
     assert sorted(layers) == list(range(len(layers))), f"{what}: stages {sorted(layers)}"
     assert all(n >= 1 for n in layers.values()) and sum(layers.values()) == NUM_LAYERS, f"{what}: {layers}"
-    loss = wrapped.step(ids, labels)
-    if wrapped.has_last_stage:
-        assert_close(loss, ref_loss, f"{what} loss")
-    else:
-        assert loss is None
-    grads = wrapped.hf_state_dict(grads=True)
-    assert_grads_match(grads, ref_grads, what)
-    return sorted(grads)
+    return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what)
 
 
 def check_all():

@@ -3,13 +3,12 @@ logits, loss and every gradient, under tp=2 (with and without sequence paralleli
 pp=2 x tp=2 over the pipeline runtime."""
 import copy
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import torchpp
 from torchpp.models import parallelize
-from hf_reference import assert_grads_match, batch, hf_names, reference_step, tiny_model
+from hf_reference import assert_grads_match, batch, check_wrapped_step, hf_names, reference_step, tiny_model
 from tp_reference import assert_close
 
 TIMEOUT_S = 150
@@ -107,14 +106,7 @@ def check_pipeline_equivalence(kind, schedule, recompute, tied):
 
     wrapped = parallelize(model, schedule=schedule, n_microbatches=4, recompute=recompute, state=state)
     what = f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} rank={dist.get_rank()}"
-    loss = wrapped.step(ids, labels)
-    if wrapped.has_last_stage:
-        assert_close(loss, ref_loss, f"{what} loss")
-    else:
-        assert loss is None
-    grads = wrapped.hf_state_dict(grads=True)
-    assert_grads_match(grads, ref_grads, what)
-    return sorted(grads)
+    return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what)
 
 
 def check_all_pipelines():

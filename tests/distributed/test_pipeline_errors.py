@@ -21,13 +21,17 @@ class ReturnsTuple(nn.Module):
         return (x, x)
 
 
-class RaisesOnMicrobatch(nn.Module):
-    """Raises in the forward of its `when`-th call."""
+class CountsCalls(nn.Module):
+    """A linear stage that counts its forward calls; subclasses misbehave from call `when` on."""
 
     def __init__(self, when):
         super().__init__()
         self.linear = nn.Linear(FEATURES, FEATURES)
         self.calls, self.when = 0, when
+
+
+class RaisesOnMicrobatch(CountsCalls):
+    """Raises in the forward of its `when`-th call."""
 
     def forward(self, x):
         self.calls += 1
@@ -36,13 +40,8 @@ class RaisesOnMicrobatch(nn.Module):
         return self.linear(x)
 
 
-class GrowsInSecondStep(nn.Module):
+class GrowsInSecondStep(CountsCalls):
     """Same input shape every step, but a wider output from call `when` on."""
-
-    def __init__(self, when):
-        super().__init__()
-        self.linear = nn.Linear(FEATURES, FEATURES)
-        self.calls, self.when = 0, when
 
     def forward(self, x):
         self.calls += 1

@@ -65,12 +65,7 @@ def attention_core(q_proj, k_proj, v_proj, x, heads):
 def singleton_group():
     """A group of this rank alone (every rank creates every such group, in the same order):
     what a one-process reference model's layers are built over."""
-    mine = None
-    for r in range(dist.get_world_size()):
-        group = dist.new_group([r])
-        if r == dist.get_rank():
-            mine = group
-    return mine
+    return dist.new_subgroups(group_size=1)[0]
 
 
 def train_reference(model, tokens, labels, group, steps, lr, max_norm):

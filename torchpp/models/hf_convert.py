@@ -6,6 +6,7 @@ or saved as, the original.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from torchpp import tensor_parallel as tp
+from torchpp.models.hf_layers import ParallelLMHead
 from torchpp.tensor_parallel.embedding import pad_rows
 
 # Reassembles a parameter of the HF layout from its TP shards (in TP-rank order).
@@ -112,3 +114,13 @@ def export_module(exports: List[Export], module: nn.Module, hf_prefix: str) -> N
     """Records every parameter of a module replicated across TP ranks (norms, positions)."""
     for name, param in module.named_parameters():
         exports.append(Export(f"{hf_prefix}.{name}", param, replicated))
+
+
+def lm_head(ctx, norm: nn.Module, norm_name: str, output: nn.Linear, vocab_size: int):
+    """The last stage's final norm and vocab-parallel output projection (vocab padded to the TP
+    size), exported under the HF names ``norm_name`` and ``lm_head.weight``."""
+    norm = copy.deepcopy(norm)
+    export_module(ctx.exports, norm, norm_name)
+    projection = column(padded_linear(output, ctx.padded_vocab(vocab_size)), **ctx.linear_kwargs)
+    ctx.exports.append(Export("lm_head.weight", projection.weight, trimmed_rows(vocab_size)))
+    return ParallelLMHead(norm, projection, ctx.sequence_parallel)

@@ -66,9 +66,4 @@ class GPT2Family:
                             ctx.sequence_parallel)
 
     def head(self) -> ParallelLMHead:
-        ctx = self.ctx
-        norm = copy.deepcopy(self.model.transformer.ln_f)
-        C.export_module(ctx.exports, norm, "transformer.ln_f")
-        output = C.column(C.padded_linear(self.model.lm_head, ctx.padded_vocab(self.vocab_size)), **ctx.linear_kwargs)
-        ctx.exports.append(C.Export("lm_head.weight", output.weight, C.trimmed_rows(self.vocab_size)))
-        return ParallelLMHead(norm, output, ctx.sequence_parallel)
+        return C.lm_head(self.ctx, self.model.transformer.ln_f, "transformer.ln_f", self.model.lm_head, self.vocab_size)

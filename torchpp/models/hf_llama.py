@@ -72,9 +72,4 @@ class LlamaFamily:
                             sequence_parallel=ctx.sequence_parallel)
 
     def head(self) -> ParallelLMHead:
-        ctx = self.ctx
-        norm = copy.deepcopy(self.model.model.norm)
-        C.export_module(ctx.exports, norm, "model.norm")
-        output = C.column(C.padded_linear(self.model.lm_head, ctx.padded_vocab(self.vocab_size)), **ctx.linear_kwargs)
-        ctx.exports.append(C.Export("lm_head.weight", output.weight, C.trimmed_rows(self.vocab_size)))
-        return ParallelLMHead(norm, output, ctx.sequence_parallel)
+        return C.lm_head(self.ctx, self.model.model.norm, "model.norm", self.model.lm_head, self.vocab_size)
