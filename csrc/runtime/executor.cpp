@@ -56,8 +56,7 @@ void Executor::step(bool inputs_changed) {
   try {
     reset_step_state();
     timeline_.begin_step();
-    // Every rank must agree whether headers travel this step; one tiny all-reduce decides.
-    exchange_meta_ = channel_.any(first_step_ || inputs_changed);
+    vote_ = channel_.post_any(first_step_ || inputs_changed);
     for (const auto& action : actions_) {
       current = &action;
       const bool compute = schedule::is_compute(action.type);
@@ -66,6 +65,7 @@ void Executor::step(bool inputs_changed) {
       timeline_.end(current_record_);
     }
     current = nullptr;
+    exchange_meta();  // a rank that never needed the answer still completes the vote
     for (auto& entry : activation_sends_) entry.second.work->wait();
     for (auto& send : other_sends_) send.work->wait();
     TORCH_INTERNAL_ASSERT(saved_.empty(), "torchpp pipeline: ", saved_.size(),
@@ -81,7 +81,15 @@ void Executor::step(bool inputs_changed) {
   }
 }
 
+bool Executor::exchange_meta() {
+  if (vote_.work) {
+    exchange_meta_ = channel_.read_any(vote_);
+  }
+  return exchange_meta_;
+}
+
 void Executor::reset_step_state() {
+  vote_ = PendingRecv{};
   saved_.clear();
   local_activations_.clear();
   input_grads_.clear();
@@ -189,7 +197,7 @@ void Executor::send_forward(const Action& action) {
   const TensorMeta meta = TensorMeta::of(output);
   const int dst = rank_of(action.stage + 1);
   const MessageTag data{Direction::Forward, action.stage + 1, action.microbatch, false};
-  if (exchange_meta_) {
+  if (exchange_meta()) {
     other_sends_.push_back(channel_.send_header(meta, dst, {Direction::Forward, action.stage + 1, action.microbatch, true}));
     sent_meta_[key] = meta;
   } else {
@@ -218,7 +226,7 @@ void Executor::send_backward(const Action& action) {
 void Executor::post_recv_forward(const Action& action) {
   const Key key{action.stage, action.microbatch};
   const int src = rank_of(action.stage - 1);
-  if (exchange_meta_) {
+  if (exchange_meta()) {
     activation_headers_[key] = channel_.post_header(src, {Direction::Forward, action.stage, action.microbatch, true});
     return;
   }
@@ -232,7 +240,7 @@ void Executor::post_recv_backward(const Action& action) {
   // The gradient has the shape of this stage's output; post now if that is known already.
   auto saved = saved_.find(key);
   auto sent = sent_meta_.find(key);
-  if (saved == saved_.end() && (exchange_meta_ || sent == sent_meta_.end())) {
+  if (saved == saved_.end() && (exchange_meta() || sent == sent_meta_.end())) {
     return;  // posted by the consumer once the forward has run
   }
   const TensorMeta meta = saved != saved_.end() ? TensorMeta::of(saved->second.output) : sent->second;

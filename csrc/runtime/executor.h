@@ -79,6 +79,10 @@ class Executor {
   at::Tensor take_gradient(const schedule::Action& consumer);
   void check_expected_input(int stage, int microbatch, const TensorMeta& meta) const;
   void reset_step_state();
+  // Whether headers travel this step: every rank must agree, so a tiny all-reduce decides. It
+  // runs from the step's start and is read where a message first needs the answer, so the
+  // first stage's first forward overlaps it instead of waiting a collective's latency.
+  bool exchange_meta();
 
   bool is_first(int stage) const { return stage % config_.stages_per_pipeline == 0; }
   bool is_last(int stage) const { return stage % config_.stages_per_pipeline == config_.stages_per_pipeline - 1; }
@@ -91,7 +95,8 @@ class Executor {
   FailurePropagation failure_;
   Timeline timeline_;
   bool first_step_ = true;
-  bool exchange_meta_ = true;
+  bool exchange_meta_ = true;  // valid once vote_ has been read
+  PendingRecv vote_;
 
   std::map<Key, Saved> saved_;
   std::map<Key, at::Tensor> local_activations_;  // next stage on this rank: handed over directly

@@ -65,12 +65,18 @@ TensorMeta P2PChannel::finish_header(PendingRecv& recv) {
   return TensorMeta::decode(recv.buffer);
 }
 
-bool P2PChannel::any(bool flag) {
+PendingRecv P2PChannel::post_any(bool flag) {
   std::vector<at::Tensor> tensors{at::full({1}, flag ? 1 : 0, at::TensorOptions().dtype(at::kLong).device(device_))};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
-  group_->allreduce(tensors, options)->wait();
-  return tensors[0].item<int64_t>() > 0;
+  auto work = group_->allreduce(tensors, options);
+  return {work, tensors[0]};
+}
+
+bool P2PChannel::read_any(PendingRecv& vote) {
+  vote.work->wait();
+  vote.work.reset();
+  return vote.buffer.item<int64_t>() > 0;
 }
 
 }  // namespace torchpp::runtime

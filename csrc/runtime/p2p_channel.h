@@ -55,8 +55,10 @@ class P2PChannel {
   at::Tensor finish(PendingRecv& recv, const TensorMeta& meta);
   TensorMeta finish_header(PendingRecv& recv);
 
-  // All-reduce (max) of a flag over the pipeline group: a step-start agreement.
-  bool any(bool flag);
+  // All-reduce (max) of a flag over the pipeline group, a step-start agreement; it runs in the
+  // background until read_any, so no rank waits for it before it needs the answer.
+  PendingRecv post_any(bool flag);  // the flag arrives like a receive: read it after wait
+  bool read_any(PendingRecv& vote);
   c10d::ProcessGroup& group() { return *group_; }
 
  private:
