@@ -2,7 +2,8 @@
 
   1. Step time of torchpp vs torch.distributed.pipelining: same model, same schedule
      (1F1B, interleaved 1F1B, and the zero-bubble ZB-V), the two engines alternating step by
-     step; the ratio is the median of the per-pair ratios torchpp / torch.
+     step; the ratio is the median of the per-pair ratios torchpp / torch. Two microbatch
+     counts for the same batch: m=8 and m=32.
   2. Engine overhead per compute action: tiny stages, m=64. Overhead = CPU time of the rank's
      thread during a step minus the CPU time of the same stage computations (forward, loss,
      backward of plain nn.Linear stages) run back to back with no engine and no messages, with
@@ -13,7 +14,7 @@
   4. Real measured bubble of zb-h1 and 1f1b against the simulator's prediction from the
      measured F/I/W costs.
 
-    PYTHONPATH=. python bench/bench_pipeline.py [--repeats 40]
+    PYTHONPATH=. python bench/bench_pipeline.py [--repeats 60] [--no-pin]
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from torch import nn
 
 P = 2
 HIDDEN, BATCH, M = 256, 128, 8
+STEP_MS = (M, 32)  # microbatch counts of section 1; the batch stays BATCH rows
 TINY, TINY_M = 4, 64
 # (label, torchpp schedule, torch class name, stages per rank, placement)
 PAIRS = [
@@ -167,18 +169,20 @@ def bench_pairs(rank, repeats, width, m, group):
             timed_step(theirs)
             if floor is not None:
                 alone(floor)
-        # Alternate step by step so the machine's drift hits both engines (and the floor) alike.
+        # Alternate step by step so the machine's drift hits both engines (and the floor) alike,
+        # and swap which engine goes first every other pair so neither always follows the other.
         wall = {"ours": [], "theirs": []}
         cpu = {"ours": [], "theirs": [], "floor": []}
-        for _ in range(repeats):
-            for key, fn in (("ours", ours), ("theirs", theirs)):
+        engines = (("ours", ours), ("theirs", theirs))
+        for k in range(repeats):
+            for key, fn in engines if k % 2 == 0 else engines[::-1]:
                 w, c = timed_step(fn)
                 wall[key].append(w)
                 cpu[key].append(c)
             if floor is not None:
                 cpu["floor"].append(alone(floor))
         actions = 2 * m * per_rank if name != "zb-v" else 3 * m * per_rank  # F+B, or F+I+W
-        rows.append({"label": label, "wall": wall, "cpu": cpu, "actions": actions})
+        rows.append({"label": label, "m": m, "wall": wall, "cpu": cpu, "actions": actions})
     return rows
 
 
@@ -266,15 +270,17 @@ def bench_split_linear(repeats):
     return summary(t_split), summary(t_std)
 
 
-def worker(rank, init_file, repeats, results):
+def worker(rank, init_file, repeats, pin, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    if pin:  # rank r on core r, as a launcher binds ranks; gloo's threads inherit it
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
                             timeout=datetime.timedelta(seconds=120))
     import torchpp  # noqa: F401
 
     group = dist.group.WORLD
-    step_rows = bench_pairs(rank, repeats, HIDDEN, M, group)
+    step_rows = [row for m in STEP_MS for row in bench_pairs(rank, repeats, HIDDEN, m, group)]
     overhead_rows = bench_pairs(rank, repeats, TINY, TINY_M, group)
     bubbles, costs = bench_bubble(rank, max(repeats // 2, 5), group)
     alone_group = dist.new_group([0])
@@ -296,12 +302,13 @@ def paired_ratio(ours, theirs):
 
 
 def print_step_rows(rows):
-    print(f"1. step time, stages of 2 x Linear({HIDDEN},{HIDDEN}), batch {BATCH}, m={M} (rank 0's wall clock)")
-    print("| schedule | torchpp | torch.distributed.pipelining | paired ratio torchpp/torch |\n|---|---|---|---|")
+    print(f"1. step time, stages of 2 x Linear({HIDDEN},{HIDDEN}), batch {BATCH} (rank 0's wall clock)")
+    print("| schedule | m | torchpp | torch.distributed.pipelining | paired ratio torchpp/torch |\n"
+          "|---|---|---|---|---|")
     for row in rows:
         ratio = paired_ratio(row["wall"]["ours"], row["wall"]["theirs"])
-        print(f"| {row['label']} | {fmt(summary(row['wall']['ours']))} | {fmt(summary(row['wall']['theirs']))} | "
-              f"{fmt(ratio, 1, '')} |")
+        print(f"| {row['label']} | {row['m']} | {fmt(summary(row['wall']['ours']))} | "
+              f"{fmt(summary(row['wall']['theirs']))} | {fmt(ratio, 1, '')} |")
 
 
 def print_overhead_rows(per_rank_rows):
@@ -326,12 +333,14 @@ def print_overhead_rows(per_rank_rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave rank placement to the OS scheduler (default: rank r on core r)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, os.path.join(tmp, "store"), args.repeats, results))
+        procs = [ctx.Process(target=worker, args=(r, os.path.join(tmp, "store"), args.repeats, args.pin, results))
                  for r in range(P)]
         for proc in procs:
             proc.start()
@@ -339,7 +348,8 @@ def main():
         for proc in procs:
             proc.join()
     step_rows, _, bubbles, costs, split, engine_alone = by_rank[0]
-    print(f"p={P}, CPU gloo, 1 thread per rank; median [p10, p90] over {args.repeats} steps per engine\n")
+    placement = "rank r pinned to core r" if args.pin else "ranks placed by the OS"
+    print(f"p={P}, CPU gloo, 1 thread per rank, {placement}; median [p10, p90] over {args.repeats} steps per engine\n")
     print_step_rows(step_rows)
     print_overhead_rows([by_rank[r][1] for r in range(P)])
     print("\n2b. the same with no transport: every stage on one rank (a one-rank group), CPU per compute action")
