@@ -62,11 +62,9 @@ def stage_module(width: int, split: bool, seed: int) -> nn.Module:
 def timed_step(step):
     """Wall and this thread's CPU seconds of one step, barriers outside the timing."""
     dist.barrier()
-    wall, cpu = time.perf_counter(), time.thread_time()
-    step()
-    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    times = timed_step_local(step)
     dist.barrier()
-    return wall, cpu
+    return times
 
 
 def summary(times):
@@ -140,6 +138,7 @@ def compute_floor_fn(name, per_rank, m, ids, num_stages, num_ranks=P, rank=None)
 
 
 def timed_step_local(step):
+    """Wall and this thread's CPU seconds of one step, no synchronisation."""
     wall, cpu = time.perf_counter(), time.thread_time()
     step()
     return time.perf_counter() - wall, time.thread_time() - cpu
