@@ -49,7 +49,7 @@ runtime::ForwardFn python_forward(py::function fn) {
 
 std::unique_ptr<runtime::Executor> make_executor(
     int rank, std::vector<std::string> actions, std::vector<int> stage_to_rank, int stages_per_pipeline,
-    std::string pp_group, std::string tp_group, int64_t tp_rank, int64_t tp_size, bool scatter_gather,
+    std::string pp_group, std::string tp_group, int64_t tp_rank, int64_t tp_size, bool scatter_gather, bool in_order,
     std::vector<std::string> abort_groups, c10::Device device, std::map<int, at::Tensor> expected_inputs,
     py::object forward, std::shared_ptr<runtime::ScriptStages> script) {
   runtime::ExecutorConfig config;
@@ -62,6 +62,7 @@ std::unique_ptr<runtime::Executor> make_executor(
   config.tp_rank = tp_rank;
   config.tp_size = tp_size;
   config.scatter_gather = scatter_gather;
+  config.in_order = in_order;
   config.abort_groups = std::move(abort_groups);
   config.device = device;
   for (const auto& [stage, example] : expected_inputs) {
@@ -159,7 +160,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<runtime::Executor>(m, "Executor")
       .def(py::init(&make_executor), py::arg("rank"), py::arg("actions"), py::arg("stage_to_rank"),
            py::arg("stages_per_pipeline"), py::arg("pp_group"), py::arg("tp_group"), py::arg("tp_rank"),
-           py::arg("tp_size"), py::arg("scatter_gather"), py::arg("abort_groups"), py::arg("device"),
+           py::arg("tp_size"), py::arg("scatter_gather"), py::arg("in_order"), py::arg("abort_groups"), py::arg("device"),
            py::arg("expected_inputs"), py::arg("forward") = py::none(), py::arg("script") = nullptr)
       .def("step", &runtime::Executor::step, py::arg("inputs_changed"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("peak_activations", &runtime::Executor::peak_activations)

@@ -7,6 +7,7 @@
 #include "schedule/errors.h"
 #include "schedule/generators.h"
 #include "schedule/grid.h"
+#include "schedule/in_order_p2p.h"
 #include "schedule/lowering.h"
 #include "schedule/simulator.h"
 #include "schedule/sweep.h"
@@ -55,7 +56,10 @@ PYBIND11_MODULE(_schedule, m) {
       .def_readonly("is_lowered", &Schedule::lowered)
       .def("model_stage", &Schedule::model_stage)
       .def("actions", &Schedule::action_strings, py::arg("rank"))
-      .def("lowered", [](const Schedule& s) { return lower(s); })
+      .def(
+          "lowered", [](const Schedule& s, bool in_order) { return in_order ? lower_in_order(s) : lower(s); },
+          py::arg("in_order") = false)
+      .def("check_in_order_p2p", [](const Schedule& s) { check_in_order_p2p(s); })
       .def("compute_only", [](const Schedule& s) { return compute_only(s); })
       .def("validate", [](const Schedule& s) { validate(s); })
       .def("grid", [](const Schedule& s, int max_steps) { return format_grid(s, {}, max_steps); },

@@ -39,7 +39,7 @@ Executor::Executor(ExecutorConfig config, ForwardFn forward)
       forward_fn_(std::move(forward)),
       actions_(parse_actions(config_.actions)),
       channel_(config_.pp_group, config_.tp_group, config_.tp_rank, config_.tp_size, config_.scatter_gather,
-               config_.device),
+               config_.in_order, config_.device),
       failure_(config_.pp_group, config_.abort_groups),
       timeline_(config_.device) {
   TORCH_CHECK(config_.stages_per_pipeline > 0, "torchpp pipeline: stages_per_pipeline must be positive");
@@ -228,6 +228,8 @@ void Executor::post_recv_forward(const Action& action) {
   const int src = rank_of(action.stage - 1);
   if (exchange_meta()) {
     activation_headers_[key] = channel_.post_header(src, {Direction::Forward, action.stage, action.microbatch, true});
+    // In order, the data receive must follow its header right here, as the sender's send does.
+    if (config_.in_order) receive_header(key, src);
     return;
   }
   auto known = received_meta_.find(key);
@@ -241,11 +243,22 @@ void Executor::post_recv_backward(const Action& action) {
   auto saved = saved_.find(key);
   auto sent = sent_meta_.find(key);
   if (saved == saved_.end() && (exchange_meta() || sent == sent_meta_.end())) {
+    // In-order lowering places every RECV_B after its forward, which fixes the gradient's size.
+    TORCH_CHECK(!config_.in_order, "torchpp pipeline: ", action.str(), " comes before its forward in an in-order schedule");
     return;  // posted by the consumer once the forward has run
   }
   const TensorMeta meta = saved != saved_.end() ? TensorMeta::of(saved->second.output) : sent->second;
   gradient_recvs_[key] =
       channel_.post(meta, rank_of(action.stage + 1), {Direction::Backward, action.stage, action.microbatch, false});
+}
+
+void Executor::receive_header(const Key& key, int src) {
+  auto header = activation_headers_.find(key);
+  TensorMeta meta = channel_.finish_header(header->second);
+  activation_headers_.erase(header);
+  check_expected_input(key.first, key.second, meta);
+  received_meta_[key] = meta;
+  activation_recvs_[key] = channel_.post(meta, src, {Direction::Forward, key.first, key.second, false});
 }
 
 at::Tensor Executor::take_activation(const Action& consumer) {
@@ -256,16 +269,8 @@ at::Tensor Executor::take_activation(const Action& consumer) {
     local_activations_.erase(local);
     return input;
   }
-  const int src = rank_of(consumer.stage - 1);
   const Action recv_action{consumer.stage, ActionType::RECV_F, consumer.microbatch};
-  auto header = activation_headers_.find(key);
-  if (header != activation_headers_.end()) {
-    TensorMeta meta = channel_.finish_header(header->second);
-    activation_headers_.erase(header);
-    check_expected_input(consumer.stage, consumer.microbatch, meta);
-    received_meta_[key] = meta;
-    activation_recvs_[key] = channel_.post(meta, src, {Direction::Forward, consumer.stage, consumer.microbatch, false});
-  }
+  if (activation_headers_.count(key)) receive_header(key, rank_of(consumer.stage - 1));
   auto recv = activation_recvs_.find(key);
   TORCH_CHECK(recv != activation_recvs_.end(), "torchpp pipeline: ", consumer.str(),
               " needs an activation that no RECV_F posted (schedule not lowered?)");
@@ -292,6 +297,7 @@ at::Tensor Executor::take_gradient(const Action& consumer) {
   TORCH_CHECK(sent != sent_meta_.end(), "torchpp pipeline: ", consumer.str(), " has no output metadata");
   meta = sent->second;
   if (recv == gradient_recvs_.end()) {
+    TORCH_CHECK(!config_.in_order, "torchpp pipeline: ", consumer.str(), " has no RECV_B before it in an in-order schedule");
     recv = gradient_recvs_.emplace(key, channel_.post(meta, rank_of(consumer.stage + 1),
                                                       {Direction::Backward, consumer.stage, consumer.microbatch, false}))
                .first;

@@ -6,7 +6,9 @@
 //    (stage, microbatch) in the weight-gradient store and W runs them.
 //  - A microbatch's saved activations and output are dropped as soon as its I/B has run.
 //  - Receives are posted as soon as their size is known (early) and waited on only by the
-//    consuming action; sends never block.
+//    consuming action; sends never block. In order (NCCL: matched by order, sends may wait for
+//    their receive): every message is issued exactly at its SEND/RECV action, headers included,
+//    so the schedule's in-order lowering decides the order on both ranks of a pair.
 //  - Shapes/dtypes travel as a header before the data in steps where they may have changed
 //    (the first step, and steps whose input shapes changed); otherwise the cached ones are used
 //    and a stage output that disagrees raises PipelineShapeError.
@@ -44,6 +46,7 @@ struct ExecutorConfig {
   int64_t tp_rank = 0;
   int64_t tp_size = 1;
   bool scatter_gather = false;
+  bool in_order = false;  // actions come from lower_in_order; issue messages exactly there
   std::vector<std::string> abort_groups;  // groups to abort when a step fails
   c10::Device device = c10::Device(c10::DeviceType::CPU);
   std::map<int, TensorMeta> expected_inputs;  // user-given input metadata per stage
@@ -75,6 +78,8 @@ class Executor {
   void send_backward(const schedule::Action& action);
   void post_recv_forward(const schedule::Action& action);
   void post_recv_backward(const schedule::Action& action);
+  // Waits for the header of (stage, microbatch)'s activation and posts the data receive.
+  void receive_header(const Key& key, int src);
   at::Tensor take_activation(const schedule::Action& consumer);
   at::Tensor take_gradient(const schedule::Action& consumer);
   void check_expected_input(int stage, int microbatch, const TensorMeta& meta) const;

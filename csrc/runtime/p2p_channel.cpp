@@ -19,8 +19,9 @@ int MessageTag::value() const {
 }
 
 P2PChannel::P2PChannel(const std::string& group_name, std::string tp_group_name, int64_t tp_rank, int64_t tp_size,
-                       bool scatter_gather, c10::Device device)
+                       bool scatter_gather, bool in_order, c10::Device device)
     : group_(resolve_group(group_name)),
+      in_order_(in_order),
       tp_group_name_(std::move(tp_group_name)),
       tp_rank_(scatter_gather ? tp_rank : 0),
       tp_size_(scatter_gather ? tp_size : 1),
@@ -30,26 +31,26 @@ P2PChannel::~P2PChannel() = default;
 
 PendingSend P2PChannel::send(const at::Tensor& tensor, int dst, MessageTag tag) {
   std::vector<at::Tensor> buffers{p2p::scatter_slice(tensor.detach(), tp_rank_, tp_size_)};
-  auto work = group_->send(buffers, dst, tag.value());
+  auto work = group_->send(buffers, dst, tag_of(tag));
   return {work, buffers[0]};
 }
 
 PendingSend P2PChannel::send_header(const TensorMeta& meta, int dst, MessageTag tag) {
   std::vector<at::Tensor> buffers{meta.encode(device_)};
-  auto work = group_->send(buffers, dst, tag.value());
+  auto work = group_->send(buffers, dst, tag_of(tag));
   return {work, buffers[0]};
 }
 
 PendingRecv P2PChannel::post(const TensorMeta& meta, int src, MessageTag tag) {
   std::vector<at::Tensor> buffers{
       at::empty({p2p::sent_numel(meta.numel(), tp_size_)}, at::TensorOptions().dtype(meta.dtype).device(device_))};
-  auto work = group_->recv(buffers, src, tag.value());
+  auto work = group_->recv(buffers, src, tag_of(tag));
   return {work, buffers[0]};
 }
 
 PendingRecv P2PChannel::post_header(int src, MessageTag tag) {
   std::vector<at::Tensor> buffers{at::empty({kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(device_))};
-  auto work = group_->recv(buffers, src, tag.value());
+  auto work = group_->recv(buffers, src, tag_of(tag));
   return {work, buffers[0]};
 }
 

@@ -1,6 +1,8 @@
 // Non-blocking sends and receives of pipeline messages over the pipeline process group.
-// Every message has its own tag (direction, consuming stage, microbatch, header or data), so a
-// receive can be posted whenever its size is known and still never match the wrong message.
+// Tagged (gloo): every message has its own tag (direction, consuming stage, microbatch, header
+// or data), so a receive can be posted whenever its size is known and never match the wrong
+// message. In order (NCCL, which ignores tags): one tag for data and one for headers, so gloo
+// too matches by order, and the schedule's in-order lowering keeps both ranks' orders equal.
 // With scatter/gather on, each TP rank moves only its 1/t slice and the receivers all-gather.
 #pragma once
 
@@ -43,7 +45,7 @@ struct PendingSend {
 class P2PChannel {
  public:
   P2PChannel(const std::string& group_name, std::string tp_group_name, int64_t tp_rank, int64_t tp_size,
-             bool scatter_gather, c10::Device device);
+             bool scatter_gather, bool in_order, c10::Device device);
   ~P2PChannel();
 
   PendingSend send(const at::Tensor& tensor, int dst, MessageTag tag);
@@ -62,7 +64,10 @@ class P2PChannel {
   c10d::ProcessGroup& group() { return *group_; }
 
  private:
+  int tag_of(const MessageTag& tag) const { return in_order_ ? (tag.header ? 1 : 0) : tag.value(); }
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  bool in_order_;
   std::string tp_group_name_;
   int64_t tp_rank_;
   int64_t tp_size_;  // 1 when scatter/gather is off

@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "schedule/generators.h"
+#include "schedule/in_order_p2p.h"
 #include "schedule/lowering.h"
 #include "schedule/validator.h"
 
@@ -38,6 +39,9 @@ SweepResult sweep(const std::vector<std::string>& names, int max_ranks, int max_
           try {
             validate(schedule);
             validate(lower(schedule));
+            const Schedule in_order = lower_in_order(schedule);
+            validate(in_order);
+            check_in_order_p2p(in_order);
             simulate(schedule, costs);
             result.served++;
           } catch (const std::exception& e) {

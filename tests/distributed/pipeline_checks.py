@@ -29,7 +29,7 @@ def local_last_microbatches(sched):
 
 
 def train_and_compare(name, dtype=torch.float64, m=8, batch=16, seq_lens=(6, 6), pp_group=None, tp_group=None,
-                      scatter_gather=True, lr=0.5):
+                      scatter_gather=True, in_order_p2p=None, lr=0.5):
     """Trains len(seq_lens) steps; asserts every local gradient equals the reference's.
 
     Returns per step this rank's share of the batch loss and the reference loss, plus the
@@ -45,7 +45,7 @@ def train_and_compare(name, dtype=torch.float64, m=8, batch=16, seq_lens=(6, 6),
     parts = split_model(model, model_stages, stage_split_points(model_stages, model_stages))
     mine = sorted({probe.model_stage(s) for s, r in enumerate(probe.stage_to_rank) if r == pp_rank})
     stages = [PipelineStage(parts[k], k, model_stages, "cpu", group=pp_group, tp_group=tp_group) for k in mine]
-    sched = build_schedule(name, stages, m, loss_fn=lm_loss, scatter_gather=scatter_gather)
+    sched = build_schedule(name, stages, m, loss_fn=lm_loss, scatter_gather=scatter_gather, in_order_p2p=in_order_p2p)
     params = [prm for st in stages for prm in st.submod.parameters()]
     names = {id(prm): n for n, prm in model.named_parameters()}
     ref_params = dict(reference.named_parameters())

@@ -1,5 +1,7 @@
 """Every schedule of the compiler trains TinyLM on p=2 and p=4 gloo ranks for two optimizer
-steps with losses and all gradients equal to the single-process reference.
+steps with losses and all gradients equal to the single-process reference, with tagged messages
+(gloo's default) and in order (NCCL's way: one tag, so gloo too matches by order and a lowering
+whose two ranks disagree on the order would cross tensors).
 
 All schedule runs of one world size share one pool run (the machine has 2 cores); each
 schedule then gets its own test that reads the cached result.
@@ -24,6 +26,9 @@ def _configs():
     # that see step inputs.
     configs += [dict(name="zb-h1", m=6, batch=16, seq_lens=(6, 4, 4, 6)), dict(name="interleaved-1f1b", seq_lens=(5, 7)),
                 dict(name="dualpipe", seq_lens=(6, 4, 4))]
+    configs += [dict(name=name, in_order_p2p=True) for name in S.SCHEDULES]
+    configs += [dict(name="zb-h1", m=6, batch=16, seq_lens=(6, 4, 4, 6), in_order_p2p=True),
+                dict(name="dualpipe", seq_lens=(6, 4, 4), in_order_p2p=True)]
     return configs
 
 
@@ -31,7 +36,7 @@ CONFIGS = _configs()
 
 
 def _label(config):
-    extra = [k for k in ("dtype", "m", "seq_lens") if k in config]
+    extra = [k for k in ("dtype", "m", "seq_lens", "in_order_p2p") if k in config]
     return config["name"] + "".join(f"-{k}={config[k]}" for k in extra).replace("torch.", "")
 
 

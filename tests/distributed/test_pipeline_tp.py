@@ -11,6 +11,7 @@ CONFIGS = [
     dict(name="zb-h1", scatter_gather=False),
     dict(name="1f1b", scatter_gather=True),
     dict(name="interleaved-1f1b", scatter_gather=True, m=4, batch=12, seq_lens=(5, 5)),
+    dict(name="zb-v", scatter_gather=True, in_order_p2p=True),
 ]
 
 
@@ -19,7 +20,8 @@ def results(ranks):
     return ranks(4).run(run_tp_pp, CONFIGS, timeout=240)
 
 
-@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[f"{c['name']}-sg={c['scatter_gather']}" for c in CONFIGS])
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[f"{c['name']}-sg={c['scatter_gather']}" + ("-in-order" if c.get("in_order_p2p") else "")
+                                                    for c in CONFIGS])
 def test_tp_pp_matches_reference(results, index):
     per_rank = [r[index] for r in results]
     errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if "error" in r]

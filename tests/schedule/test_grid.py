@@ -1,5 +1,6 @@
-"""Every generator over p in 1..16, m in 1..64, v in 1..4: valid (plain and lowered) and
-deadlock-free in the simulator, or refused with the documented constraint error. The sweep runs
+"""Every generator over p in 1..16, m in 1..64, v in 1..4: valid (plain, lowered and lowered in
+order) and deadlock-free in the simulator, the in-order lowering also on a blocking in-order
+transport (check_in_order_p2p), or refused with the documented constraint error. The sweep runs
 in C++ in one call (torchpp._schedule.sweep)."""
 import pytest
 

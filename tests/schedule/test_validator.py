@@ -87,3 +87,22 @@ def test_v_shape_turn_has_no_communication():
     last = low.actions(3)  # rank 3 holds stages 3 and 4: the turn of the V stays on the rank
     assert not any(a.startswith("3SEND_F") or a.startswith("4RECV_F") for a in last)
     assert not any(a.startswith("4SEND_B") or a.startswith("3RECV_B") for a in last)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-v", "dualpipe"])
+def test_in_order_lowering_never_blocks_where_the_tagged_one_does(name):
+    """The blocking in-order model (NCCL) rejects the tagged lowering, which relies on tags and
+    non-blocking sends, and accepts the in-order one; both stay valid schedules."""
+    sch = S.generate(name, 4, 8)
+    with pytest.raises(S.ScheduleError, match="deadlocks on an in-order transport") as info:
+        sch.lowered().check_in_order_p2p()
+    assert "waits on" in str(info.value)
+    in_order = sch.lowered(in_order=True)
+    in_order.validate()
+    in_order.check_in_order_p2p()
+    assert in_order.compute_only().actions(0) == sch.actions(0)
+
+
+def test_in_order_check_needs_a_lowered_schedule():
+    with pytest.raises(S.ScheduleError, match="needs a lowered schedule"):
+        S.generate("1f1b", 2, 4).check_in_order_p2p()

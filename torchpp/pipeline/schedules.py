@@ -27,13 +27,15 @@ class PipelineSchedule:
     """
 
     def __init__(self, schedule: "S.Schedule", stages: List[PipelineStage], loss_fn, scale_grads: bool,
-                 scatter_gather: bool):
+                 scatter_gather: bool, in_order_p2p: Optional[bool] = None):
         self.schedule = schedule
-        self.lowered = schedule.lowered()
+        first = stages[0]
+        # NCCL matches messages by order and may hold a send until its receive is posted.
+        self.in_order_p2p = first.device.type != "cpu" if in_order_p2p is None else bool(in_order_p2p)
+        self.lowered = schedule.lowered(in_order=self.in_order_p2p)
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
         self.num_microbatches = schedule.num_microbatches
-        first = stages[0]
         self.group = first.group
         self.rank = first.group_rank
         self.device = first.device
@@ -57,6 +59,7 @@ class PipelineSchedule:
             tp_rank=dist.get_rank(tp_group) if tp_group is not None else 0,
             tp_size=tp_group.size() if tp_group is not None else 1,
             scatter_gather=bool(scatter_gather and tp_group is not None and tp_group.size() > 1),
+            in_order=self.in_order_p2p,
             abort_groups=groups,
             device=self.device,
             expected_inputs=expected,
@@ -214,6 +217,7 @@ def build_schedule(
     costs=None,
     memory_limit: Optional[float] = None,
     microbatch_group_size: Optional[int] = None,
+    in_order_p2p: Optional[bool] = None,
 ) -> PipelineSchedule:
     """Compiles schedule ``name`` for this rank's stages.
 
@@ -229,6 +233,11 @@ def build_schedule(
         scatter_gather: under tensor parallelism, move 1/t of each message per TP rank and
             all-gather on arrival (Megatron's scatter/gather optimization).
         costs, memory_limit, microbatch_group_size: passed to ``torchpp.schedule.generate``.
+        in_order_p2p: issue every message exactly where the in-order lowering puts it, with
+            the same order on both ranks of a pair (``Schedule.lowered(in_order=True)``). Needed
+            by NCCL, which ignores tags and may hold a send until its receive is posted; None
+            (default) turns it on for every device but CPU. Off, receives are tagged and posted
+            as early as their size is known, which suits gloo.
     """
     stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
     if not stage_list:
@@ -244,4 +253,4 @@ def build_schedule(
         name, num_ranks=num_ranks, num_microbatches=n_microbatches, num_chunks=chunks,
         costs=costs, memory_limit=memory_limit, microbatch_group_size=microbatch_group_size,
     )
-    return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather)
+    return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p)

@@ -73,9 +73,23 @@ class Schedule:
         """
         return self._native.actions(rank)
 
-    def lowered(self) -> "Schedule":
-        """This schedule with SEND/RECV actions at every cross-rank stage boundary."""
-        return Schedule(self._native.lowered())
+    def lowered(self, in_order: bool = False) -> "Schedule":
+        """This schedule with SEND/RECV actions at every cross-rank stage boundary.
+
+        Args:
+            in_order: lower for a transport that matches messages by order and may hold a send
+                until its receive is posted (NCCL): both ranks of a pair issue their messages in
+                one global order, which ``check_in_order_p2p`` proves deadlock-free. The default
+                lowering posts each receive just before its consumer, which suits tagged,
+                non-blocking transports (gloo).
+        """
+        return Schedule(self._native.lowered(in_order))
+
+    def check_in_order_p2p(self) -> None:
+        """Raises ScheduleError if this lowered schedule can deadlock on an in-order, blocking
+        transport: every rank issues its actions in order, messages share one communication
+        stream per rank, and a message moves only while both ranks have it at the front."""
+        self._native.check_in_order_p2p()
 
     def compute_only(self) -> "Schedule":
         """This schedule without its SEND/RECV actions."""
