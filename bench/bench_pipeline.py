@@ -12,9 +12,10 @@
      latency both engines wait on (and this box's scheduling noise) does not count.
   3. Split B/W linear: I + W time over a standard linear backward at a large size.
   4. Real measured bubble of zb-h1 and 1f1b against the simulator's prediction from the
-     measured F/I/W costs.
+     measured F/I/W costs and the transport's measured latency, with passes short (as in 1.)
+     and long against that latency.
 
-    PYTHONPATH=. python bench/bench_pipeline.py [--repeats 60] [--no-pin]
+    PYTHONPATH=. python bench/bench_pipeline.py [--repeats 60] [--no-pin] [--sections 1234]
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ P = 2
 HIDDEN, BATCH, M = 256, 128, 8
 STEP_MS = (M, 32)  # microbatch counts of section 1; the batch stays BATCH rows
 TINY, TINY_M = 4, 64
+BUBBLE_SIZES = ((HIDDEN, BATCH), (1024, 256))  # (width, batch): passes shorter and longer than gloo's latency
 # (label, torchpp schedule, torch class name, stages per rank, placement)
 PAIRS = [
     ("1F1B", "1f1b", "Schedule1F1B", 1, "single"),
@@ -76,7 +78,7 @@ def batch_rows(width, m):
     return BATCH if width == HIDDEN else m
 
 
-def torchpp_step_fn(name, width, m, ids, num_stages, group, split=None):
+def torchpp_step_fn(name, width, m, ids, num_stages, group, split=None, batch=None):
     """torchpp's step on this rank's stages. The stages are exactly torch's model (nn.Linear)
     except under zero-bubble schedules, whose W passes need torchpp's split-B/W linears."""
     from torchpp.pipeline import PipelineStage, build_schedule
@@ -84,7 +86,8 @@ def torchpp_step_fn(name, width, m, ids, num_stages, group, split=None):
     split = name.startswith("zb") if split is None else split
     stages = [PipelineStage(stage_module(width, split, s), s, num_stages, "cpu", group=group) for s in ids]
     sched = build_schedule(name, stages, m, loss_fn=F.mse_loss)
-    x, y = torch.randn(batch_rows(width, m), width), torch.randn(batch_rows(width, m), width)
+    rows = batch or batch_rows(width, m)
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
     return (lambda: sched.step(x, target=y)), sched
 
 
@@ -205,29 +208,48 @@ def bench_engine_alone(repeats, group):
     return rows
 
 
-def bench_bubble(rank, repeats, group):
+def one_way_latency_ms(rank, group, shape, repeats=60):
+    """Half the median round trip of one activation-sized tensor between ranks 0 and 1, each
+    receive posted before the trip starts, as the executor posts them ahead of their use."""
+    trips = []
+    peer = dist.get_global_rank(group, 1 - rank)
+    for _ in range(repeats):
+        inbox, outbox = torch.empty(shape), torch.zeros(shape)
+        pending = dist.irecv(inbox, peer, group=group)
+        dist.barrier(group)
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(outbox, peer, group=group)
+            pending.wait()
+        else:
+            pending.wait()
+            dist.send(outbox, peer, group=group)
+        trips.append(time.perf_counter() - start)
+    return statistics.median(trips) / 2 * 1e3
+
+
+def bench_bubble(rank, repeats, group, width, batch):
+    """Measured bubble ratios of zb-h1 and 1f1b, and the simulator's from the zb-h1 run's median
+    F/I/W spans per stage (the last stage's include the loss) with no latency and with the
+    measured one."""
     from torchpp import schedule as S
-    from torchpp.pipeline.trace import gather_runs, measured_simulation, measured_transfers
+    from torchpp.pipeline.trace import gather_runs, measured_simulation
 
     out = {}
-    costs = None
+    costs = {"comm": one_way_latency_ms(rank, group, (batch // M, width))}
     for name in ("zb-h1", "1f1b"):
-        step, sched = torchpp_step_fn(name, HIDDEN, M, [rank], P, group, split=True)
-        ratios, per_type, latencies = [], {"F": [], "I": [], "W": [], "B": []}, []
+        step, sched = torchpp_step_fn(name, width, M, [rank], P, group, split=True, batch=batch)
+        ratios, spans = [], {}
         for _ in range(repeats):
             dist.barrier()
             step()
-            runs = gather_runs(sched, group)
-            sim = measured_simulation(sched, runs)
+            sim = measured_simulation(sched, gather_runs(sched, group))
             ratios.append(sim.bubble_ratio)
-            latencies += [(arrive - send) / 1e3 for *_, send, arrive in measured_transfers(runs, 0.0)]
             for line in sim.timeline:
-                for _a, kind, _s, _m, start, end in line:
-                    per_type[kind].append(end - start)
+                for _a, kind, stage, _m, start, end in line:
+                    spans.setdefault((kind, stage), []).append(end - start)
         if name == "zb-h1":
-            costs = {k: statistics.median(v) for k, v in per_type.items() if v}
-            # Send to consumer-side arrival; an upper bound on latency when the consumer was late.
-            costs["comm"] = statistics.median(latencies)
+            costs.update({kind: [statistics.median(spans[kind, s]) for s in range(P)] for kind in "FIW"})
         predicted = [S.simulate(sched.schedule, f=costs["F"], i=costs["I"], w=costs["W"], comm=comm).bubble_ratio
                      for comm in (0.0, costs["comm"])]
         out[name] = (summary(ratios), predicted)
@@ -269,7 +291,7 @@ def bench_split_linear(repeats):
     return summary(t_split), summary(t_std)
 
 
-def worker(rank, init_file, repeats, pin, results):
+def worker(rank, init_file, repeats, pin, sections, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     if pin:  # rank r on core r, as a launcher binds ranks; gloo's threads inherit it
@@ -279,13 +301,19 @@ def worker(rank, init_file, repeats, pin, results):
     import torchpp  # noqa: F401
 
     group = dist.group.WORLD
-    step_rows = [row for m in STEP_MS for row in bench_pairs(rank, repeats, HIDDEN, m, group)]
-    overhead_rows = bench_pairs(rank, repeats, TINY, TINY_M, group)
-    bubbles, costs = bench_bubble(rank, max(repeats // 2, 5), group)
+    out = {}
+    if "1" in sections:
+        out["step"] = [row for m in STEP_MS for row in bench_pairs(rank, repeats, HIDDEN, m, group)]
+    if "2" in sections:
+        out["overhead"] = bench_pairs(rank, repeats, TINY, TINY_M, group)
+    if "4" in sections:
+        out["bubble"] = [bench_bubble(rank, max(repeats // 2, 5), group, w, b) for w, b in BUBBLE_SIZES]
     alone_group = dist.new_group([0])
-    split = bench_split_linear(repeats) if rank == 0 else None
-    engine_alone = bench_engine_alone(repeats, alone_group) if rank == 0 else None
-    results.put((rank, step_rows, overhead_rows, bubbles, costs, split, engine_alone))
+    if rank == 0 and "3" in sections:
+        out["split"] = bench_split_linear(repeats)
+    if rank == 0 and "2" in sections:
+        out["alone"] = bench_engine_alone(repeats, alone_group)
+    results.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -330,43 +358,57 @@ def print_overhead_rows(per_rank_rows):
               f"{cpu['floor']:.0f} us | {over['ours']:.0f} us | {over['theirs']:.0f} us | {fmt(ratios, 1, '')} |")
 
 
+def print_bubble_rows(sizes):
+    print("\n4. bubble ratio, real run vs the simulator from the zb-h1 run's median F/I/W spans per stage and "
+          "the measured one-way latency of one activation (half a ping-pong, receive posted)")
+    print("| stages, microbatch | F / I / W per stage, latency (ms) | schedule | measured bubble ratio | "
+          "simulator, comm=0 | simulator, measured latency |\n|---|---|---|---|---|---|")
+    for (width, batch), (bubbles, costs) in zip(BUBBLE_SIZES, sizes):
+        per_stage = " / ".join(",".join(f"{c:.2f}" for c in costs[kind]) for kind in "FIW")
+        for name, (measured, predicted) in bubbles.items():
+            med, lo, hi = measured
+            print(f"| 2 x Linear({width},{width}), {batch // M} rows | {per_stage}, {costs['comm']:.3f} | {name} | "
+                  f"{med:.3f} [{lo:.3f}, {hi:.3f}] | {predicted[0]:.3f} | {predicted[1]:.3f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="leave rank placement to the OS scheduler (default: rank r on core r)")
+    parser.add_argument("--sections", default="1234", help="which of the sections 1-4 to run (default: all)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, os.path.join(tmp, "store"), args.repeats, args.pin, results))
+        procs = [ctx.Process(target=worker,
+                             args=(r, os.path.join(tmp, "store"), args.repeats, args.pin, args.sections, results))
                  for r in range(P)]
         for proc in procs:
             proc.start()
-        by_rank = dict((out[0], out[1:]) for out in (results.get(timeout=1800) for _ in range(P)))
+        by_rank = dict(results.get(timeout=1800) for _ in range(P))
         for proc in procs:
             proc.join()
-    step_rows, _, bubbles, costs, split, engine_alone = by_rank[0]
+    out = by_rank[0]
     placement = "rank r pinned to core r" if args.pin else "ranks placed by the OS"
     print(f"p={P}, CPU gloo, 1 thread per rank, {placement}; median [p10, p90] over {args.repeats} steps per engine\n")
-    print_step_rows(step_rows)
-    print_overhead_rows([by_rank[r][1] for r in range(P)])
-    print("\n2b. the same with no transport: every stage on one rank (a one-rank group), CPU per compute action")
-    print("| schedule | torchpp | torch | compute floor | overhead torchpp | overhead torch | overhead ratio |\n"
-          "|---|---|---|---|---|---|---|")
-    for label, cpu in engine_alone:
-        ours, theirs = cpu["ours"] - cpu["floor"], cpu["theirs"] - cpu["floor"]
-        print(f"| {label} | {cpu['ours']:.0f} us | {cpu['theirs']:.0f} us | {cpu['floor']:.0f} us | {ours:.0f} us | "
-              f"{theirs:.0f} us | {ours / theirs:.2f} |")
-    s_split, s_std = split
-    print("\n3. split B/W linear, x 2048x1024, W 1024x1024 (fp32, 1 thread)")
-    print(f"I + W: {fmt(s_split)}; standard linear backward: {fmt(s_std)}; ratio {s_split[0] / s_std[0]:.3f}")
-    print(f"\n4. bubble ratio, real run vs simulator from measured costs (median ms F={costs['F']:.3f}, "
-          f"I={costs['I']:.3f}, W={costs['W']:.3f}, send-to-arrival {costs['comm']:.3f})")
-    print("| schedule | measured bubble ratio | simulator, comm=0 | simulator, measured comm |\n|---|---|---|---|")
-    for name, (measured, predicted) in bubbles.items():
-        med, lo, hi = measured
-        print(f"| {name} | {med:.3f} [{lo:.3f}, {hi:.3f}] | {predicted[0]:.3f} | {predicted[1]:.3f} |")
+    if "step" in out:
+        print_step_rows(out["step"])
+    if "overhead" in out:
+        print_overhead_rows([by_rank[r]["overhead"] for r in range(P)])
+        print("\n2b. the same with no transport: every stage on one rank (a one-rank group), CPU per compute action")
+        print("| schedule | torchpp | torch | compute floor | overhead torchpp | overhead torch | overhead ratio |\n"
+              "|---|---|---|---|---|---|---|")
+        for label, cpu in out["alone"]:
+            ours, theirs = cpu["ours"] - cpu["floor"], cpu["theirs"] - cpu["floor"]
+            print(f"| {label} | {cpu['ours']:.0f} us | {cpu['theirs']:.0f} us | {cpu['floor']:.0f} us | "
+                  f"{ours:.0f} us | {theirs:.0f} us | {ours / theirs:.2f} |")
+    if "split" in out:
+        s_split, s_std = out["split"]
+        print("\n3. split B/W linear, x 2048x1024, W 1024x1024 (fp32, 1 thread)")
+        print(f"I + W: {fmt(s_split)}; standard linear backward: {fmt(s_std)}; ratio {s_split[0] / s_std[0]:.3f}")
+    if "bubble" in out:
+        print_bubble_rows(out["bubble"])
 
 
 if __name__ == "__main__":
