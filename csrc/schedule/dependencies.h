@@ -55,4 +55,19 @@ inline int dependencies(const Schedule& s, const Action& a, Dependency out[2]) {
   return n;
 }
 
+// The RECV compute action `a` needs on `rank` when its input comes from a stage on another
+// rank (`src`); false when the input is local or there is none.
+inline bool needed_recv(const Schedule& s, int rank, const Action& a, Action& recv, int& src) {
+  if (a.type == ActionType::F && s.prev_stage(a.stage) >= 0) {
+    src = s.stage_to_rank[s.prev_stage(a.stage)];
+    recv = {a.stage, ActionType::RECV_F, a.microbatch};
+  } else if ((a.type == ActionType::I || a.type == ActionType::B) && s.next_stage(a.stage) >= 0) {
+    src = s.stage_to_rank[s.next_stage(a.stage)];
+    recv = {a.stage, ActionType::RECV_B, a.microbatch};
+  } else {
+    return false;
+  }
+  return src != rank;
+}
+
 }  // namespace torchpp::schedule

@@ -4,6 +4,7 @@
 #include <map>
 #include <tuple>
 
+#include "schedule/dependencies.h"
 #include "schedule/errors.h"
 #include "schedule/grid.h"
 #include "schedule/lowering.h"
@@ -26,20 +27,6 @@ Message message_of(const Action& a) {
 }
 
 bool is_send(ActionType t) { return t == ActionType::SEND_F || t == ActionType::SEND_B; }
-
-// The message a compute action consumes from another rank, if any.
-bool consumed_message(const Schedule& s, int rank, const Action& a, Message& out) {
-  if (a.type == ActionType::F && s.prev_stage(a.stage) >= 0 && s.stage_to_rank[s.prev_stage(a.stage)] != rank) {
-    out = {a.stage, a.microbatch, false};
-    return true;
-  }
-  if ((a.type == ActionType::I || a.type == ActionType::B) && s.next_stage(a.stage) >= 0 &&
-      s.stage_to_rank[s.next_stage(a.stage)] != rank) {
-    out = {a.stage, a.microbatch, true};
-    return true;
-  }
-  return false;
-}
 
 }  // namespace
 
@@ -88,10 +75,10 @@ void check_in_order_p2p(const Schedule& s) {
     std::map<Message, int> recv_op;
     for (const Action& a : s.actions[r]) {
       if (is_compute(a.type)) {
-        Message needed;
-        int op = -1;
-        if (consumed_message(s, r, a, needed)) {
-          auto it = recv_op.find(needed);
+        Action recv;
+        int src = -1, op = -1;
+        if (needed_recv(s, r, a, recv, src)) {
+          auto it = recv_op.find(message_of(recv));
           if (it == recv_op.end()) throw ScheduleError("schedule '" + s.name + "': " + a.str() + " on rank " +
                                                        std::to_string(r) + " has no RECV before it");
           op = it->second;

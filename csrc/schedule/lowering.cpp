@@ -3,26 +3,13 @@
 #include <deque>
 #include <unordered_set>
 
+#include "schedule/dependencies.h"
 #include "schedule/errors.h"
 #include "schedule/grid.h"
 
 namespace torchpp::schedule {
 
 namespace {
-
-// The RECV a compute action needs on `rank`, if its input comes from another rank.
-bool needed_recv(const Schedule& s, int rank, const Action& a, Action& recv, int& src) {
-  if (a.type == ActionType::F && s.prev_stage(a.stage) >= 0) {
-    src = s.stage_to_rank[s.prev_stage(a.stage)];
-    recv = {a.stage, ActionType::RECV_F, a.microbatch};
-  } else if ((a.type == ActionType::I || a.type == ActionType::B) && s.next_stage(a.stage) >= 0) {
-    src = s.stage_to_rank[s.next_stage(a.stage)];
-    recv = {a.stage, ActionType::RECV_B, a.microbatch};
-  } else {
-    return false;
-  }
-  return src != rank;
-}
 
 int64_t recv_key(const Schedule& s, const Action& recv) {
   return (static_cast<int64_t>(recv.stage) * s.num_microbatches + recv.microbatch) * 2 +
