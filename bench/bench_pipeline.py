@@ -36,7 +36,7 @@ P = 2
 HIDDEN, BATCH, M = 256, 128, 8
 STEP_MS = (M, 32)  # microbatch counts of section 1; the batch stays BATCH rows
 TINY, TINY_M = 4, 64
-BUBBLE_SIZES = ((HIDDEN, BATCH), (1024, 256))  # (width, batch): passes shorter and longer than gloo's latency
+BUBBLE_SIZES = ((HIDDEN, BATCH), (1024, 256))  # (width, batch): passes a few times a message's cost, and long against it
 # (label, torchpp schedule, torch class name, stages per rank, placement)
 PAIRS = [
     ("1F1B", "1f1b", "Schedule1F1B", 1, "single"),
@@ -234,7 +234,7 @@ def bench_bubble(rank, repeats, group, width, batch):
     measured one. Also the part of the measured bubble the busiest rank's compute thread spent
     posting messages (SEND/RECV actions), a cost the simulator does not model."""
     from torchpp import schedule as S
-    from torchpp.pipeline.trace import gather_runs, measured_simulation, parse_action
+    from torchpp.pipeline.trace import COMPUTE, gather_runs, measured_simulation, parse_action
 
     out = {}
     costs = {"comm": one_way_latency_ms(rank, group, (batch // M, width))}
@@ -252,7 +252,7 @@ def bench_bubble(rank, repeats, group, width, batch):
                     spans.setdefault((kind, stage), []).append(end - start)
             busiest = max(range(P), key=lambda r: sim.busy[r])
             messages = [end - start for action, start, end, _ in runs[busiest]["timeline"]
-                        if parse_action(action)[1] not in ("F", "I", "W", "B")]
+                        if parse_action(action)[1] not in COMPUTE]
             makespan = max(line[-1][5] - line[0][4] for line in sim.timeline)
             posting.append(sum(messages) / 1e3 / makespan)
         if name == "zb-h1":
