@@ -17,22 +17,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 import bench_pipeline as B
 
 CASES = [("1F1B", "1f1b", 1, "single"), ("interleaved 1F1B (v=2)", "interleaved-1f1b", 2, "loop"),
          ("ZB-V", "zb-v", 2, "v")]
-
-
-def step_fn(name, ids, num_stages, m, in_order):
-    from torchpp.pipeline import PipelineStage, build_schedule
-
-    stages = [PipelineStage(B.stage_module(B.HIDDEN, name.startswith("zb"), s), s, num_stages, "cpu",
-                            group=dist.group.WORLD) for s in ids]
-    sched = build_schedule(name, stages, m, loss_fn=F.mse_loss, in_order_p2p=in_order)
-    x, y = torch.randn(B.BATCH, B.HIDDEN), torch.randn(B.BATCH, B.HIDDEN)
-    return lambda: sched.step(x, target=y)
 
 
 def worker(rank, init, repeats, results):
@@ -44,7 +33,8 @@ def worker(rank, init, repeats, results):
     for label, name, per_rank, placement in CASES:
         for m in B.STEP_MS:
             ids = B.stage_ids(rank, per_rank, placement)
-            steps = {mode: step_fn(name, ids, B.P * per_rank, m, mode) for mode in (False, True)}
+            steps = {mode: B.torchpp_step_fn(name, B.HIDDEN, m, ids, B.P * per_rank, dist.group.WORLD,
+                                             in_order_p2p=mode)[0] for mode in (False, True)}
             for step in steps.values():
                 for _ in range(3):
                     B.timed_step(step)

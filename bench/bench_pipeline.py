@@ -78,14 +78,14 @@ def batch_rows(width, m):
     return BATCH if width == HIDDEN else m
 
 
-def torchpp_step_fn(name, width, m, ids, num_stages, group, split=None, batch=None):
+def torchpp_step_fn(name, width, m, ids, num_stages, group, split=None, batch=None, in_order_p2p=None):
     """torchpp's step on this rank's stages. The stages are exactly torch's model (nn.Linear)
     except under zero-bubble schedules, whose W passes need torchpp's split-B/W linears."""
     from torchpp.pipeline import PipelineStage, build_schedule
 
     split = name.startswith("zb") if split is None else split
     stages = [PipelineStage(stage_module(width, split, s), s, num_stages, "cpu", group=group) for s in ids]
-    sched = build_schedule(name, stages, m, loss_fn=F.mse_loss)
+    sched = build_schedule(name, stages, m, loss_fn=F.mse_loss, in_order_p2p=in_order_p2p)
     rows = batch or batch_rows(width, m)
     x, y = torch.randn(rows, width), torch.randn(rows, width)
     return (lambda: sched.step(x, target=y)), sched
