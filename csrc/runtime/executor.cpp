@@ -1,6 +1,7 @@
 #include "runtime/executor.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -14,6 +15,9 @@ using schedule::Action;
 using schedule::ActionType;
 
 namespace {
+
+// How long a failing rank waits for the step-start vote to complete before breaking its groups.
+constexpr auto kVoteSettle = std::chrono::seconds(5);
 
 std::vector<Action> parse_actions(const std::vector<std::string>& texts) {
   std::vector<Action> actions;
@@ -74,6 +78,15 @@ void Executor::step(bool inputs_changed) {
     failure_.raise_if_peer_failed(config_.rank);
     first_step_ = false;
   } catch (const std::exception& error) {
+    // Complete this rank's part of the step-start vote before the group is broken: a peer
+    // blocked on that all-reduce is not woken by the break (bounded, in case the peer is gone).
+    if (vote_.work) {
+      try {
+        vote_.work->wait(kVoteSettle);
+      } catch (const std::exception&) {
+        // The vote failed or timed out; breaking the group below is what is left to do.
+      }
+    }
     weight_grad_store::clear();
     reset_step_state();
     first_step_ = true;
