@@ -9,7 +9,9 @@
      backward of plain nn.Linear stages) run back to back with no engine and no messages, with
      the other rank idle. What is left is each engine's own work: scheduling, bookkeeping,
      microbatching, and posting/completing its messages. CPU time, not wall time, so the gloo
-     latency both engines wait on (and this box's scheduling noise) does not count.
+     latency both engines wait on (and this box's scheduling noise) does not count. Reported
+     twice: the calling thread's CPU, and the whole process's (gloo's own threads included,
+     so work either engine leaves to them counts too).
   3. Split B/W linear: I + W time over a standard linear backward at a large size.
   4. Real measured bubble of zb-h1 and 1f1b against the simulator's prediction from the
      measured F/I/W costs and the transport's measured latency, with passes short (as in 1.)
@@ -141,19 +143,21 @@ def compute_floor_fn(name, per_rank, m, ids, num_stages, num_ranks=P, rank=None)
 
 
 def timed_step_local(step):
-    """Wall and this thread's CPU seconds of one step, no synchronisation."""
-    wall, cpu = time.perf_counter(), time.thread_time()
+    """Wall seconds, this thread's CPU seconds and the whole process's CPU seconds (gloo's own
+    threads included, so work that either engine leaves to them counts) of one step."""
+    wall, cpu, proc = time.perf_counter(), time.thread_time(), time.process_time()
     step()
-    return time.perf_counter() - wall, time.thread_time() - cpu
+    return time.perf_counter() - wall, time.thread_time() - cpu, time.process_time() - proc
 
 
 def alone(step):
-    """CPU seconds of one `step` on this rank, run while every other rank waits its turn."""
+    """Thread and process CPU seconds of one `step` on this rank, run while every other rank
+    waits its turn."""
     cpu = None
     for turn in range(P):
         dist.barrier()
         if dist.get_rank() == turn:
-            cpu = timed_step_local(step)[1]
+            cpu = timed_step_local(step)[1:]
     dist.barrier()
     return cpu
 
@@ -175,16 +179,20 @@ def bench_pairs(rank, repeats, width, m, group):
         # and swap which engine goes first every other pair so neither always follows the other.
         wall = {"ours": [], "theirs": []}
         cpu = {"ours": [], "theirs": [], "floor": []}
+        proc = {"ours": [], "theirs": [], "floor": []}
         engines = (("ours", ours), ("theirs", theirs))
         for k in range(repeats):
             for key, fn in engines if k % 2 == 0 else engines[::-1]:
-                w, c = timed_step(fn)
+                w, c, pc = timed_step(fn)
                 wall[key].append(w)
                 cpu[key].append(c)
+                proc[key].append(pc)
             if floor is not None:
-                cpu["floor"].append(alone(floor))
+                c, pc = alone(floor)
+                cpu["floor"].append(c)
+                proc["floor"].append(pc)
         actions = 2 * m * per_rank if name != "zb-v" else 3 * m * per_rank  # F+B, or F+I+W
-        rows.append({"label": label, "m": m, "wall": wall, "cpu": cpu, "actions": actions})
+        rows.append({"label": label, "m": m, "wall": wall, "cpu": cpu, "proc": proc, "actions": actions})
     return rows
 
 
@@ -345,8 +353,10 @@ def print_step_rows(rows):
               f"{fmt(summary(row['wall']['theirs']))} | {fmt(ratio, 1, '')} |")
 
 
-def print_overhead_rows(per_rank_rows):
-    print(f"\n2. engine overhead per compute action (CPU time), stages of 2 x Linear({TINY},{TINY}), m={TINY_M}, "
+def print_overhead_rows(per_rank_rows, clock="cpu"):
+    title = {"cpu": "CPU time of the rank's thread that calls step()",
+             "proc": "CPU time of the whole rank process, gloo's own threads included"}[clock]
+    print(f"\n2. engine overhead per compute action ({title}), stages of 2 x Linear({TINY},{TINY}), m={TINY_M}, "
           "microbatches of one row; mean over the ranks of their medians; the ratio is the median [p10, p90] "
           "over the iterations (a torchpp step, a torch step, the floor on each rank)")
     print("| schedule | wall per action torchpp / torch | CPU per action torchpp / torch | compute floor | "
@@ -355,11 +365,11 @@ def print_overhead_rows(per_rank_rows):
         label, actions = rows[0]["label"], rows[0]["actions"]
         per_action = lambda values: sum(values) / len(values) * 1e6 / actions  # noqa: E731
         wall = {k: per_action([statistics.median(r["wall"][k]) for r in rows]) for k in ("ours", "theirs")}
-        cpu = {k: per_action([statistics.median(r["cpu"][k]) for r in rows]) for k in ("ours", "theirs", "floor")}
+        cpu = {k: per_action([statistics.median(r[clock][k]) for r in rows]) for k in ("ours", "theirs", "floor")}
         over = {k: cpu[k] - cpu["floor"] for k in ("ours", "theirs")}
         # Per iteration, each quantity averaged over the ranks.
-        iters = [{k: sum(r["cpu"][k][i] for r in rows) for k in ("ours", "theirs", "floor")}
-                 for i in range(len(rows[0]["cpu"]["floor"]))]
+        iters = [{k: sum(r[clock][k][i] for r in rows) for k in ("ours", "theirs", "floor")}
+                 for i in range(len(rows[0][clock]["floor"]))]
         ratios = summary([(it["ours"] - it["floor"]) / (it["theirs"] - it["floor"]) for it in iters])
         print(f"| {label} | {wall['ours']:.0f} / {wall['theirs']:.0f} us | {cpu['ours']:.0f} / {cpu['theirs']:.0f} us | "
               f"{cpu['floor']:.0f} us | {over['ours']:.0f} us | {over['theirs']:.0f} us | {fmt(ratios, 1, '')} |")
@@ -402,7 +412,8 @@ def main():
     if "step" in out:
         print_step_rows(out["step"])
     if "overhead" in out:
-        print_overhead_rows([by_rank[r]["overhead"] for r in range(P)])
+        for clock in ("cpu", "proc"):
+            print_overhead_rows([by_rank[r]["overhead"] for r in range(P)], clock)
         print("\n2b. the same with no transport: every stage on one rank (a one-rank group), CPU per compute action")
         print("| schedule | torchpp | torch | compute floor | overhead torchpp | overhead torch | overhead ratio |\n"
               "|---|---|---|---|---|---|---|")
