@@ -1,0 +1,98 @@
+"""The runnable programs of docs/ and examples/ run as written, under torchrun on CPU ranks.
+
+Each program is cut out of its page as the page presents it (the fenced block a sentence tells
+the reader to save and run), so an API change that breaks a page fails here.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN_TIMEOUT_S = 300
+LOSS = re.compile(r"step\s+(\d+)\D.*?loss\s+([0-9.]+)")
+
+
+def python_block(page: str, needle: str) -> str:
+    """The first ```python block of docs/`page` that contains `needle` or follows it within
+    the same section."""
+    text = open(os.path.join(ROOT, "docs", page)).read()
+    for match in re.finditer(r"```python\n(.*?)```", text, re.S):
+        section_start = text.rfind("\n#", 0, match.start())
+        if needle in match.group(1) or needle in text[section_start:match.start()]:
+            return match.group(1)
+    raise AssertionError(f"docs/{page} has no python block for {needle!r}")
+
+
+def run(args, cwd, nproc=None):
+    """Runs a program (under torchrun when nproc is given); returns its stdout. A run past the
+    timeout is killed with every rank it started and fails the test."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command = (launcher if nproc else [sys.executable]) + args
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish within {RUN_TIMEOUT_S}s")
+    assert proc.returncode == 0, f"{' '.join(args)} exited with {proc.returncode}:\n{err[-4000:]}"
+    return out
+
+
+def losses(output: str):
+    """{step: loss} from lines like 'step 3 loss 1.0338' (any spacing, other fields between)."""
+    return {int(m.group(1)): float(m.group(2)) for m in map(LOSS.search, output.splitlines()) if m}
+
+
+def test_pipeline_page_example_trains(tmp_path):
+    (tmp_path / "pp_example.py").write_text(python_block("pipeline.md", "Save as `pp_example.py`"))
+    found = losses(run(["pp_example.py"], tmp_path, nproc=2))
+    assert sorted(found) == list(range(5)), found
+    assert all(found[s + 1] < found[s] for s in range(4)), found
+
+
+def test_ptdp_page_example_prints_the_documented_losses(tmp_path):
+    """The page shows the program's output; the run reproduces it (fixed seeds, CPU)."""
+    (tmp_path / "hf_ptdp.py").write_text(python_block("ptdp.md", "Save as `hf_ptdp.py`"))
+    found = losses(run(["hf_ptdp.py"], tmp_path, nproc=4))
+    page = open(os.path.join(ROOT, "docs", "ptdp.md")).read()
+    shown = page[page.index("Output (the loss falls)"):]
+    documented = losses(shown[:shown.index("```", shown.index("```") + 3)])
+    assert sorted(found) == sorted(documented) == list(range(0, 30, 5)), (found, documented)
+    for step, loss in documented.items():
+        assert found[step] == pytest.approx(loss, abs=2e-3), (step, found[step], loss)
+
+
+def test_tensor_parallel_page_example_runs(tmp_path):
+    (tmp_path / "this.py").write_text(python_block("tensor_parallel.md", "torchrun --nproc-per-node 2 this.py"))
+    run(["this.py"], tmp_path, nproc=2)
+
+
+def test_schedules_page_example_runs(tmp_path):
+    (tmp_path / "schedules.py").write_text(python_block("schedules.md", "S.generate(\"zb-h1\""))
+    run(["schedules.py"], tmp_path)
+    for name in ("zb-h1.csv", "zb-h1.json", "zb-h1.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+
+@pytest.mark.parametrize("script", [
+    "train_ptdp.py",   # a GPT, pp=2 x tp=2, zb-h1
+    "train_llama.py",  # the README's demo: a tiny Llama, pp=2 x tp=2, zb-h1
+])
+def test_example_trains_and_writes_its_trace(tmp_path, script):
+    out = tmp_path / "run"
+    output = run([os.path.join(ROOT, "examples", script), "--steps", "4", "--out", str(out)], tmp_path, nproc=4)
+    found = losses(output)
+    assert sorted(found) == [1, 2, 3, 4], output[-2000:]
+    assert found[4] < found[1], found
+    trace = json.loads((out / "trace.json").read_text())
+    assert {event["pid"] for event in trace["traceEvents"]} == {0, 1, 2, 3}  # every rank's timeline, one file
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
