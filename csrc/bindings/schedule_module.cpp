@@ -61,6 +61,7 @@ PYBIND11_MODULE(_schedule, m) {
           py::arg("in_order") = false)
       .def("check_in_order_p2p", [](const Schedule& s) { check_in_order_p2p(s); })
       .def("compute_only", [](const Schedule& s) { return compute_only(s); })
+      .def("forward_only", [](const Schedule& s) { return forward_only(s); })
       .def("validate", [](const Schedule& s) { validate(s); })
       .def("grid", [](const Schedule& s, int max_steps) { return format_grid(s, {}, max_steps); },
            py::arg("max_steps") = 0)

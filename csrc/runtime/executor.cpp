@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -45,7 +46,10 @@ Executor::Executor(ExecutorConfig config, ForwardFn forward)
       channel_(config_.pp_group, config_.tp_group, config_.tp_rank, config_.tp_size, config_.scatter_gather,
                config_.in_order, config_.device),
       failure_(config_.pp_group, config_.abort_groups),
-      timeline_(config_.device) {
+      timeline_(config_.device),
+      forward_only_(std::none_of(actions_.begin(), actions_.end(), [](const Action& a) {
+        return a.type == ActionType::B || a.type == ActionType::I || a.type == ActionType::W;
+      })) {
   TORCH_CHECK(config_.stages_per_pipeline > 0, "torchpp pipeline: stages_per_pipeline must be positive");
   for (const auto& action : actions_) {
     TORCH_CHECK(action.stage >= 0 && action.stage < static_cast<int>(config_.stage_to_rank.size()),
@@ -61,6 +65,8 @@ void Executor::step(bool inputs_changed) {
     reset_step_state();
     timeline_.begin_step();
     vote_ = channel_.post_any(first_step_ || inputs_changed);
+    std::optional<at::NoGradGuard> no_grad;  // an evaluation step records no graph
+    if (forward_only_) no_grad.emplace();
     for (const auto& action : actions_) {
       current = &action;
       const bool compute = schedule::is_compute(action.type);
@@ -152,16 +158,21 @@ void Executor::forward(const Action& action) {
   if (!is_first(action.stage)) {
     input = take_activation(action).detach();
     // A leaf, so that I/B can read the gradient the previous stage needs.
-    if (at::isFloatingType(input.scalar_type()) || at::isComplexType(input.scalar_type())) {
+    if (!forward_only_ && (at::isFloatingType(input.scalar_type()) || at::isComplexType(input.scalar_type()))) {
       input.requires_grad_(true);
     }
   }
   at::Tensor output = forward_fn_(action.stage, action.microbatch, input);
   TORCH_CHECK(output.defined(), "stage ", action.stage, " returned no tensor for microbatch ", action.microbatch);
-  if (!is_last(action.stage) && rank_of(action.stage + 1) == config_.rank) {
+  const bool next_is_local = !is_last(action.stage) && rank_of(action.stage + 1) == config_.rank;
+  if (next_is_local) {
     local_activations_[{action.stage + 1, action.microbatch}] = output.detach();
   }
-  saved_[key] = Saved{input, output};
+  if (!forward_only_) {
+    saved_[key] = Saved{input, output};
+  } else if (!is_last(action.stage) && !next_is_local) {
+    saved_[key] = Saved{at::Tensor(), output};  // no backward will come: kept only until SEND_F
+  }
   peak_activations_ = std::max<int64_t>(peak_activations_, static_cast<int64_t>(saved_.size()));
 }
 
@@ -223,6 +234,7 @@ void Executor::send_forward(const Action& action) {
     }
   }
   activation_sends_[key] = channel_.send(output, dst, data);
+  if (forward_only_) saved_.erase(key);  // the pending send holds the buffer until it completes
 }
 
 void Executor::send_backward(const Action& action) {

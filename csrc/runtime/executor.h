@@ -1,5 +1,6 @@
 // The pipeline executor: runs this rank's lowered action list (F, I, W, B, SEND/RECV) of a
-// schedule from the schedule compiler, once per training step.
+// schedule from the schedule compiler, once per training step (or, given a forward-only list,
+// once per evaluation step, without autograd).
 //
 //  - F calls back into the stage module (Python or any callable) with the received input;
 //    I and B run autograd in C++; I captures split-B/W linears' weight gradients under
@@ -99,6 +100,7 @@ class Executor {
   P2PChannel channel_;
   FailurePropagation failure_;
   Timeline timeline_;
+  bool forward_only_;  // an evaluation list (F, SEND_F, RECV_F only): no graph, nothing kept for backward
   bool first_step_ = true;
   bool exchange_meta_ = true;  // valid once vote_ has been read
   PendingRecv vote_;

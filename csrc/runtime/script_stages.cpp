@@ -59,6 +59,10 @@ at::Tensor ScriptStages::operator()(int64_t stage, int64_t microbatch, const at:
     return output;
   }
   at::Tensor loss = output;
+  if (modules_->loss && targets_.empty()) {  // an evaluation step without targets: outputs only
+    outputs_[microbatch] = output.detach();
+    return output;
+  }
   if (modules_->loss) {
     TORCH_CHECK(microbatch < static_cast<int64_t>(targets_.size()), "torchpp pipeline: no target for microbatch ",
                 microbatch);

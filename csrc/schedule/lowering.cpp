@@ -1,5 +1,6 @@
 #include "schedule/lowering.h"
 
+#include <algorithm>
 #include <deque>
 #include <unordered_set>
 
@@ -28,6 +29,15 @@ Schedule compute_only(const Schedule& s) {
       if (is_compute(a.type)) kept.push_back(a);
     }
     row = std::move(kept);
+  }
+  return out;
+}
+
+Schedule forward_only(const Schedule& s) {
+  Schedule out = compute_only(s);
+  for (auto& row : out.actions) {
+    row.erase(std::remove_if(row.begin(), row.end(), [](const Action& a) { return a.type != ActionType::F; }),
+              row.end());
   }
   return out;
 }

@@ -14,4 +14,8 @@ Schedule lower(const Schedule& schedule);
 // The compute actions of a (possibly lowered) schedule.
 Schedule compute_only(const Schedule& schedule);
 
+// The forward passes alone, each rank's in the schedule's order (an evaluation step: the F
+// order of a valid schedule never waits on a backward, so it stays valid without them).
+Schedule forward_only(const Schedule& schedule);
+
 }  // namespace torchpp::schedule

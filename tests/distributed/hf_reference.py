@@ -56,8 +56,15 @@ def assert_grads_match(wrapped_grads, reference_grads, what):
 
 
 def check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what):
-    """One step of a parallelized model: its loss (on the last stage) and every local gradient
-    equal the reference's; returns the HF names this rank holds gradients for."""
+    """An eval_step, then one step of a parallelized model: both losses (on the last stage) and
+    every local gradient equal the reference's, and eval_step leaves no gradient behind;
+    returns the HF names this rank holds gradients for."""
+    loss = wrapped.eval_step(ids, labels)
+    assert all(p.grad is None for p in wrapped.parameters()), f"{what}: eval_step produced gradients"
+    if wrapped.has_last_stage:
+        assert_close(loss, ref_loss, f"{what} eval loss")
+    else:
+        assert loss is None
     loss = wrapped.step(ids, labels)
     if wrapped.has_last_stage:
         assert_close(loss, ref_loss, f"{what} loss")

@@ -3,6 +3,7 @@ steps and compare losses and every local gradient with the same model run in one
 from __future__ import annotations
 
 import traceback
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -28,16 +29,11 @@ def local_last_microbatches(sched):
     return sorted(mine)
 
 
-def train_and_compare(name, dtype=torch.float64, m=8, batch=16, seq_lens=(6, 6), pp_group=None, tp_group=None,
-                      scatter_gather=True, in_order_p2p=None, lr=0.5):
-    """Trains len(seq_lens) steps; asserts every local gradient equals the reference's.
-
-    Returns per step this rank's share of the batch loss and the reference loss, plus the
-    measured and simulated peak activations of the last step.
-    """
-    pp_rank, p = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    tp_size = tp_group.size() if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+def build_pipeline(name, dtype, m, pp_group, tp_group, scatter_gather, in_order_p2p):
+    """TinyLM split into the schedule's stages on this rank, and the whole model in one process
+    (same initialisation) as the reference."""
+    p = dist.get_world_size(pp_group)
+    pp_rank = dist.get_rank(pp_group)
     probe = S.generate(name, num_ranks=p, num_microbatches=m)
     model_stages = probe.num_stages // probe.num_pipelines
     model = make_model(model_stages, dtype, tp_group=tp_group)
@@ -47,6 +43,21 @@ def train_and_compare(name, dtype=torch.float64, m=8, batch=16, seq_lens=(6, 6),
     stages = [PipelineStage(parts[k], k, model_stages, "cpu", group=pp_group, tp_group=tp_group) for k in mine]
     sched = build_schedule(name, stages, m, loss_fn=lm_loss, scatter_gather=scatter_gather, in_order_p2p=in_order_p2p)
     params = [prm for st in stages for prm in st.submod.parameters()]
+    return SimpleNamespace(probe=probe, model=model, reference=reference, sched=sched, params=params)
+
+
+def train_and_compare(name, dtype=torch.float64, m=8, batch=16, seq_lens=(6, 6), pp_group=None, tp_group=None,
+                      scatter_gather=True, in_order_p2p=None, lr=0.5):
+    """Trains len(seq_lens) steps; asserts every local gradient equals the reference's.
+
+    Returns per step this rank's share of the batch loss and the reference loss, plus the
+    measured and simulated peak activations of the last step.
+    """
+    pp_rank = dist.get_rank(pp_group)
+    tp_size = tp_group.size() if tp_group is not None else 1
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    built = build_pipeline(name, dtype, m, pp_group, tp_group, scatter_gather, in_order_p2p)
+    probe, model, reference, sched, params = built.probe, built.model, built.reference, built.sched, built.params
     names = {id(prm): n for n, prm in model.named_parameters()}
     ref_params = dict(reference.named_parameters())
     opt = torch.optim.SGD(params, lr=lr)
@@ -76,14 +87,50 @@ def train_and_compare(name, dtype=torch.float64, m=8, batch=16, seq_lens=(6, 6),
             "timeline": [a for a, *_ in sched.timeline()]}
 
 
-def run_configs(configs):
+def eval_and_compare(name, dtype=torch.float64, m=8, batch=16, pp_group=None, in_order_p2p=None):
+    """eval() before and after a training step, with and without target and at two sequence
+    lengths: the outputs and losses of this rank's last stages equal the reference forward,
+    and eval leaves every gradient as it was. Returns this rank's share of each eval's loss
+    and the reference loss."""
+    built = build_pipeline(name, dtype, m, pp_group, None, True, in_order_p2p)
+    sched, reference, params = built.sched, built.reference, built.params
+    tol = TOLERANCES[dtype]
+    mine = local_last_microbatches(sched)
+    shares = []
+    (x, y), (x2, y2) = make_batches(batch, (6, 4))
+    # Each executor (train, eval) re-exchanges shapes when its own last step's differ.
+    plan = [("eval", x, y), ("step", x, y), ("eval", x2, None), ("step", x2, y2), ("eval", x, y)]
+    for k, (kind, inputs, target) in enumerate(plan):
+        grads_before = [None if prm.grad is None else prm.grad.clone() for prm in params]
+        losses = []
+        out = getattr(sched, kind)(inputs, target=target, losses=losses)
+        if kind == "step":
+            continue
+        for prm, before in zip(params, grads_before):  # eval touches no gradient
+            assert (prm.grad is None) == (before is None) and (before is None or torch.equal(prm.grad, before)), k
+        with torch.no_grad():
+            ref_out = reference(inputs)
+        want = split_microbatches(ref_out, m)
+        assert (out is None) == (not mine), (k, mine)
+        if mine:
+            torch.testing.assert_close(out, torch.cat([want[i] for i in mine]), **tol,
+                                       msg=lambda s: f"{name} eval {k} outputs: {s}")
+        if target is None:
+            assert losses == [], k
+            continue
+        weights = loss_weights(split_microbatches(target, m))
+        shares.append((sum(weights[i] * loss.item() for i, loss in zip(mine, losses)), lm_loss(ref_out, target).item()))
+    return {"shares": shares}
+
+
+def run_configs(configs, check=train_and_compare):
     """Runs each config on a fresh pipeline group (so a failure cannot poison the next);
     returns per config the result or the traceback."""
     results = []
     for config in configs:
         group = dist.new_group(list(range(dist.get_world_size())))
         try:
-            results.append(train_and_compare(pp_group=group, **config))
+            results.append(check(pp_group=group, **config))
         except Exception:
             results.append({"error": traceback.format_exc()})
     return results

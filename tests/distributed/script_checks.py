@@ -81,5 +81,23 @@ def _train(name, script, m, batch, width, steps, group):
         results.append({"loss": mean_loss, "ref_loss": ref_loss.item()})
         opt.step()
         ref_opt.step()
+    # eval() with and without target: forward only, through the same TorchScript path.
+    gen = torch.Generator().manual_seed(200)
+    x = torch.randn(batch, width, generator=gen, dtype=torch.float64)
+    y = torch.randn(batch, width, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        ref_out = reference(x)
+    evals = []
+    for target in (y, None):
+        losses = []
+        sys.setprofile(profile)
+        try:
+            out = sched.eval(*([x] if 0 in mine else []), target=target if n - 1 in mine else None, losses=losses)
+        finally:
+            sys.setprofile(None)
+        if n - 1 in mine:
+            torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+            assert len(losses) == (m if target is not None else 0), losses
+        evals.append(sum(loss.item() for loss in losses) / m if losses else None)
     return {"torchscript_stages": sched.torchscript_stages, "python_calls": sorted(set(python_calls)),
-            "steps": results}
+            "steps": results, "eval_loss": evals[0], "eval_ref_loss": F.mse_loss(ref_out, y).item()}

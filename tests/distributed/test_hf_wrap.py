@@ -25,6 +25,8 @@ def check_tp_equivalence(kind, sequence_parallel):
     what = f"{kind} tp=2 sp={sequence_parallel}"
     logits = wrapped(ids)
     assert_close(wrapped.gather_logits(logits), ref_logits, f"{what} logits")
+    assert_close(wrapped.eval_step(ids, labels), ref_loss, f"{what} eval loss")
+    assert all(p.grad is None for p in wrapped.parameters()), f"{what}: eval_step produced gradients"
     loss = wrapped.step(ids, labels)
     assert_close(loss, ref_loss, f"{what} loss")
     grads = wrapped.hf_state_dict(grads=True)

@@ -1,6 +1,7 @@
 """TorchScript stages run without Python: with every stage module and the loss scripted, the
-executor calls them from C++ (no Python forward is entered during a step) and losses and
-gradients equal the single-process run; the same blocks unscripted go through Python."""
+executor calls them from C++ (no Python forward is entered during a step or an eval) and losses,
+gradients and eval outputs equal the single-process run; the same blocks unscripted go through
+Python."""
 import math
 
 import pytest
@@ -32,3 +33,6 @@ def test_script_stages(results, index):
         losses = [r["steps"][step]["loss"] for r in per_rank if r["steps"][step]["loss"] is not None]
         assert len(losses) == 1
         assert math.isclose(losses[0], per_rank[0]["steps"][step]["ref_loss"], rel_tol=1e-10)
+    eval_losses = [r["eval_loss"] for r in per_rank if r["eval_loss"] is not None]
+    assert len(eval_losses) == 1
+    assert math.isclose(eval_losses[0], per_rank[0]["eval_ref_loss"], rel_tol=1e-10)

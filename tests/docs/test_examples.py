@@ -54,9 +54,11 @@ def losses(output: str):
 
 def test_pipeline_page_example_trains(tmp_path):
     (tmp_path / "pp_example.py").write_text(python_block("pipeline.md", "Save as `pp_example.py`"))
-    found = losses(run(["pp_example.py"], tmp_path, nproc=2))
+    output = run(["pp_example.py"], tmp_path, nproc=2)
+    found = losses(output)
     assert sorted(found) == list(range(5)), found
     assert all(found[s + 1] < found[s] for s in range(4)), found
+    assert re.search(r"validation loss [0-9.]+, outputs \(16, 4\)", output), output
 
 
 def test_ptdp_page_example_prints_the_documented_losses(tmp_path):

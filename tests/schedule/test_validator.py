@@ -103,6 +103,26 @@ def test_in_order_lowering_never_blocks_where_the_tagged_one_does(name):
     assert in_order.compute_only().actions(0) == sch.actions(0)
 
 
+@pytest.mark.parametrize("name", S.SCHEDULES)
+def test_forward_only_keeps_each_ranks_forward_order_and_lowers(name):
+    """An evaluation step: the F actions in the schedule's order, one SEND_F/RECV_F pair per
+    cross-rank activation and no gradient messages, tagged or in order."""
+    p, m = 4, 8
+    sch = S.generate(name, p, m)
+    forward = sch.forward_only()
+    for r in range(p):
+        assert forward.actions(r) == [a for a in sch.actions(r) if a.lstrip("0123456789")[0] == "F"]
+    for in_order in (False, True):
+        low = forward.lowered(in_order=in_order)
+        if in_order:
+            low.check_in_order_p2p()
+        assert low.compute_only().actions(1) == forward.actions(1)
+        messages = [a.lstrip("0123456789") for r in range(p) for a in low.actions(r) if "SEND" in a or "RECV" in a]
+        full = [a for r in range(p) for a in sch.lowered().actions(r) if "SEND_F" in a or "RECV_F" in a]
+        assert sorted(set(k[:6] for k in messages)) == ["RECV_F", "SEND_F"]
+        assert len(messages) == len(full)
+
+
 def test_in_order_check_needs_a_lowered_schedule():
     with pytest.raises(S.ScheduleError, match="needs a lowered schedule"):
         S.generate("1f1b", 2, 4).check_in_order_p2p()

@@ -197,22 +197,40 @@ class ParallelCausalLM(nn.Module):
                 losses.append(loss.detach())
             result = loss.detach()
         else:
-            from torchpp.pipeline.microbatch import loss_weights, split_microbatches
-
-            mine: list = []
-            if self.has_last_stage:
-                self._batch_rows = labels.size(0)
-                self._batch_tokens = int((shift_labels(labels) != IGNORE_INDEX).sum().clamp(min=1))
-            self.schedule.step(*([input_ids] if self.has_first_stage else []),
-                               target=labels if self.has_last_stage else None, losses=mine)
-            if losses is not None:
-                losses.extend(mine)
-            result = None
-            if mine:  # the schedule's weights make the microbatch losses add up to the batch's
-                weights = loss_weights(split_microbatches(labels, len(mine)))
-                result = sum(w * l for w, l in zip(weights, mine))
+            result = self._pipeline_loss(self.schedule.step, input_ids, labels, losses)
         self.finish_grads()
         return result
+
+    def eval_step(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                  losses: Optional[list] = None) -> Optional[torch.Tensor]:
+        """The batch's mean loss without a backward (validation): forward only, over the
+        pipeline's ``eval``; no gradient is touched. Arguments and result as ``step``. (Call
+        ``model.eval()`` first to turn dropout off, as for any module.)"""
+        if self.schedule is not None:
+            return self._pipeline_loss(self.schedule.eval, input_ids, labels, losses)
+        with torch.no_grad():
+            loss = self.loss(self(input_ids), labels)
+        if losses is not None:
+            losses.append(loss)
+        return loss
+
+    def _pipeline_loss(self, run, input_ids, labels, losses) -> Optional[torch.Tensor]:
+        """Runs ``run`` (the schedule's step or eval) over the batch; the batch loss on ranks
+        holding the last stage, else None."""
+        from torchpp.pipeline.microbatch import loss_weights, split_microbatches
+
+        mine: list = []
+        if self.has_last_stage:
+            self._batch_rows = labels.size(0)
+            self._batch_tokens = int((shift_labels(labels) != IGNORE_INDEX).sum().clamp(min=1))
+        run(*([input_ids] if self.has_first_stage else []), target=labels if self.has_last_stage else None, losses=mine)
+        if losses is not None:
+            losses.extend(mine)
+        if not mine:
+            return None
+        # The schedule's weights make the microbatch losses add up to the batch's.
+        weights = loss_weights(split_microbatches(labels, len(mine)))
+        return sum(w * l for w, l in zip(weights, mine))
 
     @property
     def tied_weight(self) -> Optional[nn.Parameter]:

@@ -45,33 +45,39 @@ class PipelineSchedule:
         self._stages_per_pipeline = spp
         self._has_first = any(s % spp == 0 for s in self._stage_of)
         self._has_last = any(s % spp == spp - 1 for s in self._stage_of)
-        tp_group = first.tp_group
-        groups = [self.group.group_name] + ([tp_group.group_name] if tp_group is not None else [])
-        expected = {s: st.input_args for s, st in self._stage_of.items() if st.input_args is not None}
+        self._tp_group = first.tp_group
+        self._scatter_gather = bool(scatter_gather and self._tp_group is not None and self._tp_group.size() > 1)
         self._script = self._script_stages(loss_fn, scale_grads, spp)
-        self._executor = _C.Executor(
-            rank=self.rank,
-            actions=self.lowered.actions(self.rank),
-            stage_to_rank=schedule.stage_to_rank,
-            stages_per_pipeline=spp,
-            pp_group=self.group.group_name,
-            tp_group=tp_group.group_name if tp_group is not None else "",
-            tp_rank=dist.get_rank(tp_group) if tp_group is not None else 0,
-            tp_size=tp_group.size() if tp_group is not None else 1,
-            scatter_gather=bool(scatter_gather and tp_group is not None and tp_group.size() > 1),
-            in_order=self.in_order_p2p,
-            abort_groups=groups,
-            device=self.device,
-            expected_inputs=expected,
-            forward=None if self._script is not None else self._forward,
-            script=self._script,
-        )
-        self._signature = None
+        self._executor = self._make_executor(self.lowered)
+        self._eval_executor = None  # built by the first eval()
+        self._signatures: Dict[str, tuple] = {}  # per executor: its last step's input shapes
         self._inputs: Optional[List[torch.Tensor]] = None
         self._targets: Optional[List[torch.Tensor]] = None
         self._weights: List[float] = []
         self._losses: Dict[int, torch.Tensor] = {}
         self._outputs: Dict[int, torch.Tensor] = {}
+
+    def _make_executor(self, lowered: "S.Schedule"):
+        """The C++ executor of this rank's actions in ``lowered``."""
+        tp_group = self._tp_group
+        groups = [self.group.group_name] + ([tp_group.group_name] if tp_group is not None else [])
+        return _C.Executor(
+            rank=self.rank,
+            actions=lowered.actions(self.rank),
+            stage_to_rank=self.schedule.stage_to_rank,
+            stages_per_pipeline=self._stages_per_pipeline,
+            pp_group=self.group.group_name,
+            tp_group=tp_group.group_name if tp_group is not None else "",
+            tp_rank=dist.get_rank(tp_group) if tp_group is not None else 0,
+            tp_size=tp_group.size() if tp_group is not None else 1,
+            scatter_gather=self._scatter_gather,
+            in_order=self.in_order_p2p,
+            abort_groups=groups,
+            device=self.device,
+            expected_inputs={s: st.input_args for s, st in self._stage_of.items() if st.input_args is not None},
+            forward=None if self._script is not None else self._forward,
+            script=self._script,
+        )
 
     def _place(self, stages: List[PipelineStage]) -> Dict[int, PipelineStage]:
         """Maps each schedule stage this rank runs to the PipelineStage holding its parameters."""
@@ -121,6 +127,9 @@ class PipelineSchedule:
             )
         if stage % spp != spp - 1:
             return output
+        if self.loss_fn is not None and self._targets is None:  # eval() without target: outputs only
+            self._outputs[microbatch] = output.detach()
+            return output
         loss = output if self.loss_fn is None else self.loss_fn(output, self._targets[microbatch])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"the loss of microbatch {microbatch} must be a one-element tensor, got {loss!r}")
@@ -130,49 +139,67 @@ class PipelineSchedule:
         return loss * self._weights[microbatch] if self.scale_grads else loss
 
     def step(self, *args: torch.Tensor, target: Optional[torch.Tensor] = None,
-             losses: Optional[list] = None) -> Optional[torch.Tensor]:
+             losses: Optional[list] = None, return_outputs: bool = True) -> Optional[torch.Tensor]:
         """Runs forward and backward of one batch over the pipeline; gradients accumulate in .grad.
 
         Args:
             *args: the batch (one tensor) on ranks that hold a first stage; nothing elsewhere.
             target: the batch's target on ranks that hold a last stage (passed to loss_fn).
             losses: if a list, this rank's per-microbatch losses (unscaled) are appended.
+            return_outputs: False returns None everywhere (the outputs are not concatenated).
 
         Returns:
             On ranks holding a last stage, the outputs of its microbatches concatenated along
             dim 0; None elsewhere.
         """
+        if self._has_last and self.loss_fn is not None and target is None:
+            raise ValueError(f"torchpp pipeline: rank {self.rank} holds a last stage and needs target=")
+        output = self._run("train", self._executor, args, target, losses, return_outputs)
+        if self.schedule.num_pipelines == 2:
+            self._sum_twin_gradients()
+        return output
+
+    def eval(self, *args: torch.Tensor, target: Optional[torch.Tensor] = None,
+             losses: Optional[list] = None, return_outputs: bool = True) -> Optional[torch.Tensor]:
+        """Runs the forward of one batch over the pipeline, without autograd: each rank's forward
+        passes in the schedule's order (``Schedule.forward_only``), nothing kept for a backward,
+        no gradient touched. Arguments and result as ``step``; without ``target`` the last
+        stage computes no loss and only returns its outputs.
+        """
+        if self._eval_executor is None:
+            self._eval_executor = self._make_executor(self.schedule.forward_only().lowered(in_order=self.in_order_p2p))
+        return self._run("eval", self._eval_executor, args, target, losses, return_outputs)
+
+    def _run(self, kind: str, executor, args, target, losses, return_outputs) -> Optional[torch.Tensor]:
+        """Splits the batch into microbatches and runs ``executor``'s step over them."""
         if len(args) > 1:
             raise TypeError("torchpp pipeline: stages take one input tensor")
         m = self.num_microbatches
         x = args[0] if args else None
         if self._has_first and x is None:
             raise ValueError(f"torchpp pipeline: rank {self.rank} holds a first stage and needs the batch input")
-        if self._has_last and self.loss_fn is not None and target is None:
-            raise ValueError(f"torchpp pipeline: rank {self.rank} holds a last stage and needs target=")
         self._inputs = split_microbatches(x, m) if self._has_first else None
-        self._targets = split_microbatches(target, m) if self._has_last else None
+        self._targets = split_microbatches(target, m) if self._has_last and target is not None else None
         sizing = self._targets or self._inputs
         self._weights = loss_weights(sizing) if sizing is not None else [1.0 / m] * m
+        # Each executor caches the shapes its last step exchanged; compare against those.
         signature = tuple((tuple(t.shape), t.dtype) for t in (self._inputs or []))
-        changed = signature != self._signature
-        self._signature = signature
+        changed = signature != self._signatures.get(kind)
+        self._signatures[kind] = signature
         self._losses.clear()
         self._outputs.clear()
         if self._script is not None:
             self._script.set_step(self._inputs or [], self._targets or [], self._weights)
         try:
-            self._executor.step(changed)
+            executor.step(changed)
         finally:
             self._inputs = self._targets = None
         if self._script is not None:
             self._losses, self._outputs = self._script.losses(), self._script.outputs()
-        if self.schedule.num_pipelines == 2:
-            self._sum_twin_gradients()
-        mine = sorted(self._losses)
         if losses is not None:
-            losses.extend(self._losses[k] for k in mine)
-        if not mine:
+            losses.extend(self._losses[k] for k in sorted(self._losses))
+        mine = sorted(self._outputs)
+        if not mine or not return_outputs:
             return None
         return torch.cat([self._outputs[k] for k in mine])
 

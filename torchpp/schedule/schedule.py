@@ -95,6 +95,11 @@ class Schedule:
         """This schedule without its SEND/RECV actions."""
         return Schedule(self._native.compute_only())
 
+    def forward_only(self) -> "Schedule":
+        """The forward passes alone, each rank's in this schedule's order: an evaluation step
+        (no backward, so nothing waits on one). Lower it like any schedule."""
+        return Schedule(self._native.forward_only())
+
     def model_stage(self, stage: int) -> int:
         """The stage whose parameters ``stage`` holds (differs only for DualPipe's pipeline 1)."""
         return self._native.model_stage(stage)
