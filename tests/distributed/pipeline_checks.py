@@ -120,6 +120,7 @@ def eval_and_compare(name, dtype=torch.float64, m=8, batch=16, pp_group=None, in
             continue
         weights = loss_weights(split_microbatches(target, m))
         shares.append((sum(weights[i] * loss.item() for i, loss in zip(mine, losses)), lm_loss(ref_out, target).item()))
+    assert sched.eval(x, target=y, return_outputs=False) is None
     return {"shares": shares}
 
 

@@ -61,7 +61,7 @@ def _scenario(kind):
         first = ReturnsTuple()
     elif kind == "m_too_small":
         name, m = "dualpipe", 2
-    elif kind == "raises_in_forward":
+    elif kind in ("raises_in_forward", "raises_in_eval"):
         last = RaisesOnMicrobatch(when=3)
     elif kind == "shape_changes_inside_step":
         first, steps = GrowsInSecondStep(when=M + 2), 2
@@ -73,8 +73,9 @@ def _scenario(kind):
     start = time.monotonic()
     try:
         sched = build_schedule(name, stages, m, loss_fn=nn.functional.mse_loss)
+        run = sched.eval if kind == "raises_in_eval" else sched.step
         for _ in range(steps):
-            sched.step(x, target=y)
+            run(x, target=y)
     except Exception as error:
         return type(error).__name__, str(error), time.monotonic() - start
     return None, "no error", time.monotonic() - start
@@ -90,6 +91,7 @@ EXPECTED = {
     "non_tensor": ("PipelineError", ["stage 0 returned a tuple"]),
     "m_too_small": ("ValueError", ["dualpipe", "m"]),
     "raises_in_forward": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),
+    "raises_in_eval": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),
     "shape_changes_inside_step": ("PipelineShapeError", ["stage 0 microbatch 1", "[2, 16]", "[2, 8]"]),
 }
 
