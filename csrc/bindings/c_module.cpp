@@ -163,6 +163,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("tp_size"), py::arg("scatter_gather"), py::arg("in_order"), py::arg("abort_groups"), py::arg("device"),
            py::arg("expected_inputs"), py::arg("forward") = py::none(), py::arg("script") = nullptr)
       .def("step", &runtime::Executor::step, py::arg("inputs_changed"), py::call_guard<py::gil_scoped_release>())
+      .def("abort_step", &runtime::Executor::abort_step, py::arg("message"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("peak_activations", &runtime::Executor::peak_activations)
       .def("timeline", [](const runtime::Executor& self) {
         // [(action, start_us, end_us, arrived_us)]; arrived_us is -1 except for RECV actions.

@@ -84,20 +84,36 @@ void Executor::step(bool inputs_changed) {
     failure_.raise_if_peer_failed(config_.rank);
     first_step_ = false;
   } catch (const std::exception& error) {
-    // Complete this rank's part of the step-start vote before the group is broken: a peer
-    // blocked on that all-reduce is not woken by the break (bounded, in case the peer is gone).
-    if (vote_.work) {
-      try {
-        vote_.work->wait(kVoteSettle);
-      } catch (const std::exception&) {
-        // The vote failed or timed out; breaking the group below is what is left to do.
-      }
-    }
-    weight_grad_store::clear();
-    reset_step_state();
-    first_step_ = true;
-    failure_.fail(error, config_.rank, current ? "action " + current->str() : std::string("the step boundary"));
+    fail_step(error, current ? "action " + current->str() : std::string("the step boundary"));
   }
+}
+
+void Executor::abort_step(const std::string& message) {
+  // Take part in the step-start vote the peers are (or will be) waiting on, then fail as if
+  // the first action had raised.
+  reset_step_state();
+  try {
+    vote_ = channel_.post_any(true);
+  } catch (const std::exception&) {
+    // The group is broken already: no vote is left to join.
+  }
+  fail_step(PipelineFailure(FailureKind::Generic, message), "the start of its step");
+}
+
+void Executor::fail_step(const std::exception& error, const std::string& where) {
+  // Complete this rank's part of the step-start vote before the group is broken: a peer
+  // blocked on that all-reduce is not woken by the break (bounded, in case the peer is gone).
+  if (vote_.work) {
+    try {
+      vote_.work->wait(kVoteSettle);
+    } catch (const std::exception&) {
+      // The vote failed or timed out; breaking the group below is what is left to do.
+    }
+  }
+  weight_grad_store::clear();
+  reset_step_state();
+  first_step_ = true;
+  failure_.fail(error, config_.rank, where);
 }
 
 bool Executor::exchange_meta() {

@@ -60,6 +60,10 @@ class Executor {
 
   // Runs one step. `inputs_changed`: this rank's step inputs differ in shape from the last step.
   void step(bool inputs_changed);
+  // Fails the step this rank cannot start (its inputs were rejected) on every rank, as a
+  // failing action would, so peers already in the step raise instead of waiting; raises the
+  // PipelineFailure carrying `message`.
+  [[noreturn]] void abort_step(const std::string& message);
 
   const Timeline& timeline() const { return timeline_; }
   // Most microbatch-stages alive (between F and I/B) at once in the last step.
@@ -72,6 +76,7 @@ class Executor {
     at::Tensor output;
   };
 
+  [[noreturn]] void fail_step(const std::exception& error, const std::string& where);
   void run(const schedule::Action& action);
   void forward(const schedule::Action& action);
   void backward(const schedule::Action& action, bool split);

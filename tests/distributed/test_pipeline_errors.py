@@ -70,6 +70,10 @@ def _scenario(kind):
     if name == "dualpipe":
         stages = [stages, PipelineStage(last if rank == 0 else first, 1 - rank, 2, "cpu", group=group)]
     x, y = torch.randn(BATCH, FEATURES), torch.randn(BATCH, FEATURES)
+    if kind == "batch_too_small" and rank == 0:
+        x = x[: M - 1]  # rejected before rank 0's step starts, while rank 1 waits in its own
+    if kind == "missing_target" and rank == 1:
+        y = None
     start = time.monotonic()
     try:
         sched = build_schedule(name, stages, m, loss_fn=nn.functional.mse_loss)
@@ -86,13 +90,16 @@ def _run_all(kinds):
 
 
 EXPECTED = {
-    # kind: (exception type on every rank, substrings every rank's message contains)
+    # kind: (exception type on every rank, or per rank; substrings every rank's message contains)
     "shape_mismatch": ("PipelineShapeError", ["stage 1 microbatch 0", "[2, 8]", "[2, 11]"]),
     "non_tensor": ("PipelineError", ["stage 0 returned a tuple"]),
     "m_too_small": ("ValueError", ["dualpipe", "m"]),
     "raises_in_forward": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),
     "raises_in_eval": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),
     "shape_changes_inside_step": ("PipelineShapeError", ["stage 0 microbatch 1", "[2, 16]", "[2, 8]"]),
+    # One rank's arguments are rejected in Python: it raises its own error, the other stops.
+    "batch_too_small": (("ValueError", "PipelineError"), ["(3, 8) cannot be split into 4 microbatches"]),
+    "missing_target": (("PipelineError", "ValueError"), ["rank 1 holds a last stage and needs target="]),
 }
 
 
@@ -104,9 +111,10 @@ def outcomes(ranks):
 
 @pytest.mark.parametrize("kind", list(EXPECTED))
 def test_every_rank_fails_clearly(outcomes, kind):
-    error_type, fragments = EXPECTED[kind]
+    error_types, fragments = EXPECTED[kind]
     for rank, (raised, message, elapsed) in enumerate(outcomes[kind]):
-        assert raised == error_type, f"rank {rank}: {raised}: {message}"
+        want = error_types if isinstance(error_types, str) else error_types[rank]
+        assert raised == want, f"rank {rank}: {raised}: {message}"
         for fragment in fragments:
             assert fragment in message, f"rank {rank}: {fragment!r} not in {message!r}"
         assert elapsed < FAIL_WITHIN_S, f"rank {rank} took {elapsed:.1f}s to fail"

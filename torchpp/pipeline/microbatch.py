@@ -2,7 +2,7 @@
 microbatch gradients equal the full-batch gradient."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,6 +24,21 @@ def split_microbatches(batch: Optional[torch.Tensor], num_microbatches: int) -> 
             f"{num_microbatches} microbatches along dim 0"
         )
     return list(torch.tensor_split(batch, num_microbatches, dim=0))
+
+
+def split_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                    num_microbatches: int) -> List[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """Per microbatch, the first stage's further positional and keyword arguments: tensors split
+    along dim 0 like the batch, anything else passed to every microbatch as is (the default
+    chunking of torch.distributed.pipelining)."""
+    def parts(value):
+        return split_microbatches(value, num_microbatches) if isinstance(value, torch.Tensor) \
+            else [value] * num_microbatches
+
+    split_args = [parts(a) for a in args]
+    split_kwargs = {k: parts(v) for k, v in kwargs.items()}
+    return [(tuple(a[i] for a in split_args), {k: v[i] for k, v in split_kwargs.items()})
+            for i in range(num_microbatches)]
 
 
 def loss_weights(microbatches: List[torch.Tensor]) -> List[float]:

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from torchpp import _C
 from torchpp import schedule as S
-from torchpp.pipeline.microbatch import loss_weights, split_microbatches
+from torchpp.pipeline.errors import PipelineError
+from torchpp.pipeline.microbatch import loss_weights, split_arguments, split_microbatches
 from torchpp.pipeline.stage import PipelineStage
 
 # Tag of the gradient exchange between DualPipe's twin stages, far above the executor's tags.
@@ -52,6 +53,7 @@ class PipelineSchedule:
         self._eval_executor = None  # built by the first eval()
         self._signatures: Dict[str, tuple] = {}  # per executor: its last step's input shapes
         self._inputs: Optional[List[torch.Tensor]] = None
+        self._arguments: Optional[List[tuple]] = None  # per microbatch: the first stage's (args, kwargs)
         self._targets: Optional[List[torch.Tensor]] = None
         self._weights: List[float] = []
         self._losses: Dict[int, torch.Tensor] = {}
@@ -117,9 +119,12 @@ class PipelineSchedule:
     # ---- the executor's callback ----
     def _forward(self, stage: int, microbatch: int, input: Optional[torch.Tensor]) -> torch.Tensor:
         spp = self._stages_per_pipeline
-        if input is None:
-            input = self._inputs[microbatch]
-        output = self._stage_of[stage].submod(input)
+        module = self._stage_of[stage].submod
+        if input is None:  # a first stage: the batch's microbatch and its further arguments
+            args, kwargs = self._arguments[microbatch]
+            output = module(self._inputs[microbatch], *args, **kwargs)
+        else:
+            output = module(input)
         if not isinstance(output, torch.Tensor):
             raise TypeError(
                 f"stage {stage} returned a {type(output).__name__} for microbatch {microbatch}; "
@@ -138,12 +143,15 @@ class PipelineSchedule:
         # Weighted by the microbatch's share of the batch, the summed gradients are the batch's.
         return loss * self._weights[microbatch] if self.scale_grads else loss
 
-    def step(self, *args: torch.Tensor, target: Optional[torch.Tensor] = None,
-             losses: Optional[list] = None, return_outputs: bool = True) -> Optional[torch.Tensor]:
+    def step(self, *args, target: Optional[torch.Tensor] = None, losses: Optional[list] = None,
+             return_outputs: bool = True, **kwargs) -> Optional[torch.Tensor]:
         """Runs forward and backward of one batch over the pipeline; gradients accumulate in .grad.
 
         Args:
-            *args: the batch (one tensor) on ranks that hold a first stage; nothing elsewhere.
+            *args, **kwargs: the first stage's arguments, on ranks that hold a first stage
+                (nothing elsewhere): the batch tensor, then any further arguments. Tensors are
+                split along dim 0 into microbatches, anything else goes to every microbatch
+                as is; stages after the first receive only the previous stage's output.
             target: the batch's target on ranks that hold a last stage (passed to loss_fn).
             losses: if a list, this rank's per-microbatch losses (unscaled) are appended.
             return_outputs: False returns None everywhere (the outputs are not concatenated).
@@ -152,15 +160,13 @@ class PipelineSchedule:
             On ranks holding a last stage, the outputs of its microbatches concatenated along
             dim 0; None elsewhere.
         """
-        if self._has_last and self.loss_fn is not None and target is None:
-            raise ValueError(f"torchpp pipeline: rank {self.rank} holds a last stage and needs target=")
-        output = self._run("train", self._executor, args, target, losses, return_outputs)
+        output = self._run("train", self._executor, args, kwargs, target, losses, return_outputs)
         if self.schedule.num_pipelines == 2:
             self._sum_twin_gradients()
         return output
 
-    def eval(self, *args: torch.Tensor, target: Optional[torch.Tensor] = None,
-             losses: Optional[list] = None, return_outputs: bool = True) -> Optional[torch.Tensor]:
+    def eval(self, *args, target: Optional[torch.Tensor] = None, losses: Optional[list] = None,
+             return_outputs: bool = True, **kwargs) -> Optional[torch.Tensor]:
         """Runs the forward of one batch over the pipeline, without autograd: each rank's forward
         passes in the schedule's order (``Schedule.forward_only``), nothing kept for a backward,
         no gradient touched. Arguments and result as ``step``; without ``target`` the last
@@ -168,32 +174,23 @@ class PipelineSchedule:
         """
         if self._eval_executor is None:
             self._eval_executor = self._make_executor(self.schedule.forward_only().lowered(in_order=self.in_order_p2p))
-        return self._run("eval", self._eval_executor, args, target, losses, return_outputs)
+        return self._run("eval", self._eval_executor, args, kwargs, target, losses, return_outputs)
 
-    def _run(self, kind: str, executor, args, target, losses, return_outputs) -> Optional[torch.Tensor]:
+    def _run(self, kind: str, executor, args, kwargs, target, losses, return_outputs) -> Optional[torch.Tensor]:
         """Splits the batch into microbatches and runs ``executor``'s step over them."""
-        if len(args) > 1:
-            raise TypeError("torchpp pipeline: stages take one input tensor")
-        m = self.num_microbatches
-        x = args[0] if args else None
-        if self._has_first and x is None:
-            raise ValueError(f"torchpp pipeline: rank {self.rank} holds a first stage and needs the batch input")
-        self._inputs = split_microbatches(x, m) if self._has_first else None
-        self._targets = split_microbatches(target, m) if self._has_last and target is not None else None
-        sizing = self._targets or self._inputs
-        self._weights = loss_weights(sizing) if sizing is not None else [1.0 / m] * m
-        # Each executor caches the shapes its last step exchanged; compare against those.
-        signature = tuple((tuple(t.shape), t.dtype) for t in (self._inputs or []))
-        changed = signature != self._signatures.get(kind)
-        self._signatures[kind] = signature
-        self._losses.clear()
-        self._outputs.clear()
-        if self._script is not None:
-            self._script.set_step(self._inputs or [], self._targets or [], self._weights)
+        try:
+            changed = self._prepare(kind, args, kwargs, target)
+        except Exception as error:
+            # The other ranks may already wait in this step: fail it on every rank, not just here.
+            try:
+                executor.abort_step(f"{type(error).__name__}: {error}")
+            except PipelineError:
+                pass  # what this rank raises is its own error, below
+            raise
         try:
             executor.step(changed)
         finally:
-            self._inputs = self._targets = None
+            self._inputs = self._targets = self._arguments = None
         if self._script is not None:
             self._losses, self._outputs = self._script.losses(), self._script.outputs()
         if losses is not None:
@@ -202,6 +199,35 @@ class PipelineSchedule:
         if not mine or not return_outputs:
             return None
         return torch.cat([self._outputs[k] for k in mine])
+
+    def _prepare(self, kind: str, args, kwargs, target) -> bool:
+        """Checks and splits this rank's step arguments; whether the input shapes changed since
+        this executor's last step."""
+        m = self.num_microbatches
+        x = args[0] if args else None
+        if kind == "train" and self._has_last and self.loss_fn is not None and target is None:
+            raise ValueError(f"torchpp pipeline: rank {self.rank} holds a last stage and needs target=")
+        if self._has_first and x is None:
+            raise ValueError(f"torchpp pipeline: rank {self.rank} holds a first stage and needs the batch input")
+        if self._script is not None and (len(args) > 1 or kwargs):
+            raise TypeError("torchpp pipeline: TorchScript stages take the batch tensor alone; got "
+                            f"{len(args) - 1} more positional and {sorted(kwargs)} keyword arguments")
+        self._inputs = split_microbatches(x, m) if self._has_first else None
+        self._arguments = split_arguments(args[1:], kwargs, m) if self._has_first else None
+        self._targets = split_microbatches(target, m) if self._has_last and target is not None else None
+        sizing = self._targets or self._inputs
+        self._weights = loss_weights(sizing) if sizing is not None else [1.0 / m] * m
+        # Each executor caches the shapes its last step exchanged; compare against those.
+        firsts = [t for mb, (more, named) in zip(self._inputs or [], self._arguments or [])
+                  for t in (mb, *more, *named.values()) if isinstance(t, torch.Tensor)]
+        signature = tuple((tuple(t.shape), t.dtype) for t in firsts)
+        changed = signature != self._signatures.get(kind)
+        self._signatures[kind] = signature
+        self._losses.clear()
+        self._outputs.clear()
+        if self._script is not None:
+            self._script.set_step(self._inputs or [], self._targets or [], self._weights)
+        return changed
 
     def _sum_twin_gradients(self) -> None:
         """DualPipe: rank r and rank p-1-r both hold model stages r and p-1-r; add up their grads."""
