@@ -220,7 +220,7 @@ class ParallelCausalLM(nn.Module):
         from torchpp.pipeline.microbatch import loss_weights, split_microbatches
 
         mine: list = []
-        if self.has_last_stage:
+        if self.has_last_stage and labels is not None:  # missing labels: the schedule raises on every rank
             self._batch_rows = labels.size(0)
             self._batch_tokens = int((shift_labels(labels) != IGNORE_INDEX).sum().clamp(min=1))
         run(*([input_ids] if self.has_first_stage else []), target=labels if self.has_last_stage else None, losses=mine)
