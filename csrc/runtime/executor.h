@@ -6,8 +6,8 @@
 //    I and B run autograd in C++; I captures split-B/W linears' weight gradients under
 //    (stage, microbatch) in the weight-gradient store and W runs them.
 //  - A microbatch's saved activations and output are dropped as soon as its I/B has run.
-//  - Receives are posted as soon as their size is known (early) and waited on only by the
-//    consuming action; sends never block. In order (NCCL: matched by order, sends may wait for
+//  - Receives are posted at their RECV action (or, a gradient whose size is not known yet, once
+//    its forward has run) and waited on only by the consuming action; sends never block. In order (NCCL: matched by order, sends may wait for
 //    their receive): every message is issued exactly at its SEND/RECV action, headers included,
 //    so the schedule's in-order lowering decides the order on both ranks of a pair.
 //  - Shapes/dtypes travel as a header before the data in steps where they may have changed

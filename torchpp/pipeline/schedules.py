@@ -289,8 +289,8 @@ def build_schedule(
         in_order_p2p: issue every message exactly where the in-order lowering puts it, with
             the same order on both ranks of a pair (``Schedule.lowered(in_order=True)``). Needed
             by NCCL, which ignores tags and may hold a send until its receive is posted; None
-            (default) turns it on for every device but CPU. Off, receives are tagged and posted
-            as early as their size is known, which suits gloo.
+            (default) turns it on for every device but CPU. Off, messages are tagged and each
+            receive is posted before its consumer (``Schedule.lowered()``), which suits gloo.
     """
     stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
     if not stage_list:
