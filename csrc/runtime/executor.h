@@ -7,9 +7,10 @@
 //    (stage, microbatch) in the weight-gradient store and W runs them.
 //  - A microbatch's saved activations and output are dropped as soon as its I/B has run.
 //  - Receives are posted at their RECV action (or, a gradient whose size is not known yet, once
-//    its forward has run) and waited on only by the consuming action; sends never block. In order (NCCL: matched by order, sends may wait for
-//    their receive): every message is issued exactly at its SEND/RECV action, headers included,
-//    so the schedule's in-order lowering decides the order on both ranks of a pair.
+//    its forward has run) and waited on only by the consuming action; sends never block. In
+//    order (NCCL: matched by order, sends may wait for their receive): every message is issued
+//    exactly at its SEND/RECV action, headers included, so the schedule's in-order lowering
+//    decides the order on both ranks of a pair.
 //  - Shapes/dtypes travel as a header before the data in steps where they may have changed
 //    (the first step, and steps whose input shapes changed); otherwise the cached ones are used
 //    and a stage output that disagrees raises PipelineShapeError.
