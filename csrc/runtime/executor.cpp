@@ -64,7 +64,7 @@ void Executor::step(bool inputs_changed) {
   try {
     reset_step_state();
     timeline_.begin_step();
-    vote_ = channel_.post_any(first_step_ || inputs_changed);
+    vote_ = channel_.post_vote(first_step_ || inputs_changed, step_kind());
     std::optional<at::NoGradGuard> no_grad;  // an evaluation step records no graph
     if (forward_only_) no_grad.emplace();
     for (const auto& action : actions_) {
@@ -93,7 +93,7 @@ void Executor::abort_step(const std::string& message) {
   // the first action had raised.
   reset_step_state();
   try {
-    vote_ = channel_.post_any(true);
+    vote_ = channel_.post_vote(true, step_kind());
   } catch (const std::exception&) {
     // The group is broken already: no vote is left to join.
   }
@@ -118,7 +118,11 @@ void Executor::fail_step(const std::exception& error, const std::string& where) 
 
 bool Executor::exchange_meta() {
   if (vote_.work) {
-    exchange_meta_ = channel_.read_any(vote_);
+    const auto vote = channel_.read_vote(vote_);
+    exchange_meta_ = vote.exchange_meta;
+    TORCH_CHECK(vote.same_kind, "torchpp pipeline: rank ", config_.rank, " runs ",
+                forward_only_ ? "eval()" : "step()", " while another rank of the pipeline runs ",
+                forward_only_ ? "step()" : "eval()", "; every rank must call the same one");
   }
   return exchange_meta_;
 }

@@ -93,9 +93,11 @@ class Executor {
   void reset_step_state();
   // Whether headers travel this step: every rank must agree, so a tiny all-reduce decides. It
   // runs from the step's start and is read where a message first needs the answer, so the
-  // first stage's first forward overlaps it instead of waiting a collective's latency.
+  // first stage's first forward overlaps it instead of waiting a collective's latency. It
+  // also raises if ranks disagree on step() against eval(), before any message could hang.
   bool exchange_meta();
 
+  int step_kind() const { return forward_only_ ? 1 : 0; }  // what the step-start vote compares
   bool is_first(int stage) const { return stage % config_.stages_per_pipeline == 0; }
   bool is_last(int stage) const { return stage % config_.stages_per_pipeline == config_.stages_per_pipeline - 1; }
   int rank_of(int stage) const { return config_.stage_to_rank.at(stage); }

@@ -66,18 +66,22 @@ TensorMeta P2PChannel::finish_header(PendingRecv& recv) {
   return TensorMeta::decode(recv.buffer);
 }
 
-PendingRecv P2PChannel::post_any(bool flag) {
-  std::vector<at::Tensor> tensors{at::full({1}, flag ? 1 : 0, at::TensorOptions().dtype(at::kLong).device(device_))};
+PendingRecv P2PChannel::post_vote(bool exchange_meta, int step_kind) {
+  // One MAX all-reduce answers both: any rank's flag, and the kinds' max and (negated) min.
+  std::vector<at::Tensor> tensors{
+      at::tensor({exchange_meta ? 1 : 0, step_kind, -step_kind}, at::TensorOptions().dtype(at::kLong)).to(device_)};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
   auto work = group_->allreduce(tensors, options);
   return {work, tensors[0]};
 }
 
-bool P2PChannel::read_any(PendingRecv& vote) {
+P2PChannel::Vote P2PChannel::read_vote(PendingRecv& vote) {
   vote.work->wait();
   vote.work.reset();
-  return vote.buffer.item<int64_t>() > 0;
+  const at::Tensor values = vote.buffer.cpu();
+  const int64_t* v = values.data_ptr<int64_t>();
+  return {v[0] > 0, v[1] == -v[2]};
 }
 
 }  // namespace torchpp::runtime

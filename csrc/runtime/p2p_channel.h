@@ -57,10 +57,15 @@ class P2PChannel {
   at::Tensor finish(PendingRecv& recv, const TensorMeta& meta);
   TensorMeta finish_header(PendingRecv& recv);
 
-  // All-reduce (max) of a flag over the pipeline group, a step-start agreement; it runs in the
-  // background until read_any, so no rank waits for it before it needs the answer.
-  PendingRecv post_any(bool flag);  // the flag arrives like a receive: read it after wait
-  bool read_any(PendingRecv& vote);
+  // The step-start agreement over the pipeline group: whether any rank needs headers this
+  // step, and whether all ranks run the same kind of step (train or eval). An all-reduce that
+  // runs in the background until read_vote, so no rank waits for it before it needs the answer.
+  PendingRecv post_vote(bool exchange_meta, int step_kind);  // arrives like a receive
+  struct Vote {
+    bool exchange_meta;  // some rank asked for headers
+    bool same_kind;      // every rank runs the same kind of step
+  };
+  Vote read_vote(PendingRecv& vote);
   c10d::ProcessGroup& group() { return *group_; }
 
  private:

@@ -77,7 +77,8 @@ def _scenario(kind):
     start = time.monotonic()
     try:
         sched = build_schedule(name, stages, m, loss_fn=nn.functional.mse_loss)
-        run = sched.eval if kind == "raises_in_eval" else sched.step
+        evaluates = kind == "raises_in_eval" or (kind == "step_against_eval" and rank == 1)
+        run = sched.eval if evaluates else sched.step
         for _ in range(steps):
             run(x, target=y)
     except Exception as error:
@@ -100,6 +101,8 @@ EXPECTED = {
     # One rank's arguments are rejected in Python: it raises its own error, the other stops.
     "batch_too_small": (("ValueError", "PipelineError"), ["(3, 8) cannot be split into 4 microbatches"]),
     "missing_target": (("PipelineError", "ValueError"), ["rank 1 holds a last stage and needs target="]),
+    # Rank 0 calls step(), rank 1 eval(): caught at the step-start vote, before any message waits.
+    "step_against_eval": ("PipelineError", ["while another rank of the pipeline runs", "every rank must call the same one"]),
 }
 
 
