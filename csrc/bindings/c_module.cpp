@@ -22,22 +22,37 @@ runtime::FailureKind kind_of(py::error_already_set& error) {
   return error.matches(pipeline_shape_error) ? runtime::FailureKind::Shape : runtime::FailureKind::Generic;
 }
 
+std::string type_name(const py::handle& obj) { return py::str(py::type::of(obj).attr("__name__")); }
+
+// What a stage returned: one tensor, or a non-empty tuple (or list) of tensors.
+runtime::Tensors stage_outputs(const py::object& out, int64_t stage, int64_t microbatch) {
+  auto reject = [&](const std::string& what) {
+    return runtime::PipelineFailure(runtime::FailureKind::Generic,
+                                    "stage " + std::to_string(stage) + " returned " + what + " for microbatch " +
+                                        std::to_string(microbatch) +
+                                        "; a pipeline stage must return a Tensor or a tuple of Tensors");
+  };
+  if (THPVariable_Check(out.ptr())) return {THPVariable_Unpack(out.ptr())};
+  if (!py::isinstance<py::tuple>(out) && !py::isinstance<py::list>(out)) throw reject("a " + type_name(out));
+  runtime::Tensors tensors;
+  for (const auto& element : out) {
+    if (!THPVariable_Check(element.ptr())) throw reject("a " + type_name(out) + " holding a " + type_name(element));
+    tensors.push_back(THPVariable_Unpack(element.ptr()));
+  }
+  if (tensors.empty()) throw reject("an empty " + type_name(out));
+  return tensors;
+}
+
 // Calls the Python stage callback with the GIL; a Python exception becomes a PipelineFailure
 // carrying its message, raised here while the GIL is still held.
 runtime::ForwardFn python_forward(py::function fn) {
   auto shared = std::make_shared<py::function>(std::move(fn));
-  return [shared](int64_t stage, int64_t microbatch, const at::Tensor& input) -> at::Tensor {
+  return [shared](int64_t stage, int64_t microbatch, const runtime::Tensors& inputs) -> runtime::Tensors {
     py::gil_scoped_acquire gil;
     try {
-      py::object out = (*shared)(stage, microbatch, input.defined() ? py::cast(input) : py::none());
-      if (!THPVariable_Check(out.ptr())) {
-        throw runtime::PipelineFailure(runtime::FailureKind::Generic,
-                                       "stage " + std::to_string(stage) + " returned a " +
-                                           std::string(py::str(py::type::of(out).attr("__name__"))) +
-                                           " for microbatch " + std::to_string(microbatch) +
-                                           "; a pipeline stage must return one Tensor");
-      }
-      return THPVariable_Unpack(out.ptr());
+      py::list args;
+      for (const auto& input : inputs) args.append(py::cast(input));
+      return stage_outputs((*shared)(stage, microbatch, args), stage, microbatch);
     } catch (py::error_already_set& error) {
       // pybind appends the Python stack ("\n\nAt:..."); the message alone says what failed.
       std::string message = error.what();
@@ -50,7 +65,7 @@ runtime::ForwardFn python_forward(py::function fn) {
 std::unique_ptr<runtime::Executor> make_executor(
     int rank, std::vector<std::string> actions, std::vector<int> stage_to_rank, int stages_per_pipeline,
     std::string pp_group, std::string tp_group, int64_t tp_rank, int64_t tp_size, bool scatter_gather, bool in_order,
-    std::vector<std::string> abort_groups, c10::Device device, std::map<int, at::Tensor> expected_inputs,
+    std::vector<std::string> abort_groups, c10::Device device, std::map<int, runtime::Tensors> expected_inputs,
     py::object forward, std::shared_ptr<runtime::ScriptStages> script) {
   runtime::ExecutorConfig config;
   config.rank = rank;
@@ -66,12 +81,12 @@ std::unique_ptr<runtime::Executor> make_executor(
   config.abort_groups = std::move(abort_groups);
   config.device = device;
   for (const auto& [stage, example] : expected_inputs) {
-    config.expected_inputs[stage] = runtime::TensorMeta::of(example);
+    config.expected_inputs[stage] = runtime::MessageMeta::of(example);
   }
   if (script) {  // TorchScript stages: the forward never enters Python
     return std::make_unique<runtime::Executor>(
-        std::move(config), [script](int64_t stage, int64_t microbatch, const at::Tensor& input) {
-          return (*script)(stage, microbatch, input);
+        std::move(config), [script](int64_t stage, int64_t microbatch, const runtime::Tensors& inputs) {
+          return (*script)(stage, microbatch, inputs);
         });
   }
   TORCH_CHECK(!forward.is_none(), "torchpp pipeline: an executor needs a forward callback or TorchScript stages");
@@ -156,7 +171,20 @@ PYBIND11_MODULE(_C, m) {
            py::arg("scale_grads"))
       .def("set_step", &runtime::ScriptStages::set_step, py::arg("inputs"), py::arg("targets"), py::arg("weights"))
       .def("losses", &runtime::ScriptStages::losses)
-      .def("outputs", &runtime::ScriptStages::outputs);
+      .def("outputs", [](const runtime::ScriptStages& self) {
+        // microbatch -> its output: a tensor, or a tuple of tensors
+        py::dict out;
+        for (const auto& [microbatch, value] : self.outputs()) {
+          if (value.isTensor()) {
+            out[py::int_(microbatch)] = py::cast(value.toTensor());
+            continue;
+          }
+          py::list elements;
+          for (const auto& element : value.toTupleRef().elements()) elements.append(py::cast(element.toTensor()));
+          out[py::int_(microbatch)] = py::tuple(elements);
+        }
+        return out;
+      });
   py::class_<runtime::Executor>(m, "Executor")
       .def(py::init(&make_executor), py::arg("rank"), py::arg("actions"), py::arg("stage_to_rank"),
            py::arg("stages_per_pipeline"), py::arg("pp_group"), py::arg("tp_group"), py::arg("tp_rank"),

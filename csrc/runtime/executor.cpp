@@ -174,24 +174,29 @@ void Executor::run(const Action& action) {
 
 void Executor::forward(const Action& action) {
   const Key key{action.stage, action.microbatch};
-  at::Tensor input;
+  Tensors inputs;
   if (!is_first(action.stage)) {
-    input = take_activation(action).detach();
-    // A leaf, so that I/B can read the gradient the previous stage needs.
-    if (!forward_only_ && (at::isFloatingType(input.scalar_type()) || at::isComplexType(input.scalar_type()))) {
-      input.requires_grad_(true);
+    inputs = take_activation(action);
+    for (auto& input : inputs) {
+      // Leaves, so that I/B can read the gradients the previous stage needs.
+      input = input.detach();
+      if (!forward_only_ && carries_gradient(input.scalar_type())) input.requires_grad_(true);
     }
   }
-  at::Tensor output = forward_fn_(action.stage, action.microbatch, input);
-  TORCH_CHECK(output.defined(), "stage ", action.stage, " returned no tensor for microbatch ", action.microbatch);
+  Tensors outputs = forward_fn_(action.stage, action.microbatch, inputs);
+  TORCH_CHECK(!outputs.empty() && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.defined(); }),
+              "stage ", action.stage, " returned no tensor for microbatch ", action.microbatch);
+  TORCH_CHECK(!is_last(action.stage) || forward_only_ || outputs.size() == 1, "torchpp pipeline: the last stage's callback must return its loss alone");
   const bool next_is_local = !is_last(action.stage) && rank_of(action.stage + 1) == config_.rank;
   if (next_is_local) {
-    local_activations_[{action.stage + 1, action.microbatch}] = output.detach();
+    Tensors handed;
+    for (const auto& output : outputs) handed.push_back(output.detach());
+    local_activations_[{action.stage + 1, action.microbatch}] = std::move(handed);
   }
   if (!forward_only_) {
-    saved_[key] = Saved{input, output};
+    saved_[key] = Saved{std::move(inputs), std::move(outputs)};
   } else if (!is_last(action.stage) && !next_is_local) {
-    saved_[key] = Saved{at::Tensor(), output};  // no backward will come: kept only until SEND_F
+    saved_[key] = Saved{{}, std::move(outputs)};  // no backward will come: kept only until SEND_F
   }
   peak_activations_ = std::max<int64_t>(peak_activations_, static_cast<int64_t>(saved_.size()));
 }
@@ -202,27 +207,44 @@ void Executor::backward(const Action& action, bool split) {
   TORCH_CHECK(it != saved_.end(), "torchpp pipeline: ", action.str(), " runs before its forward");
   Saved saved = std::move(it->second);
   saved_.erase(it);  // the activations go as soon as this backward has run
-  std::vector<at::Tensor> grad_outputs;
-  if (!is_last(action.stage)) {
-    grad_outputs.push_back(take_gradient(action));
+  Tensors roots;
+  Tensors grad_outputs;
+  if (is_last(action.stage)) {
+    if (saved.outputs[0].requires_grad()) roots.push_back(saved.outputs[0]);  // the loss
+  } else {
+    // One gradient per output that carries one; outputs that need none (detached) skip theirs.
+    const Tensors grads = take_gradient(action);
+    size_t next = 0;
+    for (const auto& output : saved.outputs) {
+      if (!carries_gradient(output.scalar_type())) continue;
+      const at::Tensor& grad = grads.at(next++);
+      if (output.requires_grad()) {
+        roots.push_back(output);
+        grad_outputs.push_back(grad);
+      }
+    }
   }
-  if (saved.output.requires_grad()) {
+  if (!roots.empty()) {
     if (split) weight_grad_store::begin_capture(action.stage, action.microbatch);
     try {
-      torch::autograd::backward({saved.output}, grad_outputs, /*retain_graph=*/false, /*create_graph=*/false);
+      torch::autograd::backward(roots, grad_outputs, /*retain_graph=*/false, /*create_graph=*/false);
     } catch (...) {
       if (split) weight_grad_store::end_capture();
       throw;
     }
     if (split) weight_grad_store::end_capture();
   }
-  if (!is_first(action.stage) && saved.input.requires_grad()) {
-    at::Tensor grad = saved.input.grad();
-    if (!grad.defined()) grad = at::zeros_like(saved.input);
+  if (!is_first(action.stage)) {
+    Tensors grads;
+    for (const auto& input : saved.inputs) {
+      if (!carries_gradient(input.scalar_type())) continue;
+      at::Tensor grad = input.grad();
+      grads.push_back(grad.defined() ? grad : at::zeros_like(input));
+    }
     if (rank_of(action.stage - 1) == config_.rank) {
-      local_gradients_[{action.stage - 1, action.microbatch}] = grad;
+      local_gradients_[{action.stage - 1, action.microbatch}] = std::move(grads);
     } else {
-      input_grads_[key] = grad;
+      input_grads_[key] = std::move(grads);
     }
   }
   // The next stage consumed this microbatch's activation before sending its gradient back.
@@ -237,8 +259,8 @@ void Executor::backward(const Action& action, bool split) {
 
 void Executor::send_forward(const Action& action) {
   const Key key{action.stage, action.microbatch};
-  const auto& output = saved_.at(key).output;
-  const TensorMeta meta = TensorMeta::of(output);
+  const auto& outputs = saved_.at(key).outputs;
+  const MessageMeta meta = MessageMeta::of(outputs);
   const int dst = rank_of(action.stage + 1);
   const MessageTag data{Direction::Forward, action.stage + 1, action.microbatch, false};
   if (exchange_meta()) {
@@ -253,7 +275,7 @@ void Executor::send_forward(const Action& action) {
                   "; shapes may change only between steps whose input shapes differ");
     }
   }
-  activation_sends_[key] = channel_.send(output, dst, data);
+  activation_sends_[key] = channel_.send(outputs, dst, data);
   if (forward_only_) saved_.erase(key);  // the pending send holds the buffer until it completes
 }
 
@@ -261,8 +283,10 @@ void Executor::send_backward(const Action& action) {
   const Key key{action.stage, action.microbatch};
   auto it = input_grads_.find(key);
   TORCH_CHECK(it != input_grads_.end(), "torchpp pipeline: ", action.str(), " has no input gradient to send");
-  other_sends_.push_back(
-      channel_.send(it->second, rank_of(action.stage - 1), {Direction::Backward, action.stage - 1, action.microbatch, false}));
+  if (!it->second.empty()) {  // inputs of integer dtypes only: no gradient travels
+    other_sends_.push_back(channel_.send(it->second, rank_of(action.stage - 1),
+                                         {Direction::Backward, action.stage - 1, action.microbatch, false}));
+  }
   input_grads_.erase(it);
 }
 
@@ -282,88 +306,98 @@ void Executor::post_recv_forward(const Action& action) {
   activation_recvs_[key] = channel_.post(known->second, src, {Direction::Forward, action.stage, action.microbatch, false});
 }
 
+MessageMeta Executor::gradient_meta(const Key& key) const {
+  auto saved = saved_.find(key);
+  if (saved != saved_.end()) return MessageMeta::of(saved->second.outputs).gradients();
+  // saved_ no longer holds the output once this stage's backward started; the send cached it.
+  auto sent = sent_meta_.find(key);
+  TORCH_CHECK(sent != sent_meta_.end(), "torchpp pipeline: no output metadata for stage ", key.first,
+              " microbatch ", key.second);
+  return sent->second.gradients();
+}
+
 void Executor::post_recv_backward(const Action& action) {
   const Key key{action.stage, action.microbatch};
-  // The gradient has the shape of this stage's output; post now if that is known already.
-  auto saved = saved_.find(key);
-  auto sent = sent_meta_.find(key);
-  if (saved == saved_.end() && (exchange_meta() || sent == sent_meta_.end())) {
+  // The gradient has the shapes of this stage's outputs; post now if those are known already.
+  if (!saved_.count(key) && (exchange_meta() || !sent_meta_.count(key))) {
     // In-order lowering places every RECV_B after its forward, which fixes the gradient's size.
     TORCH_CHECK(!config_.in_order, "torchpp pipeline: ", action.str(), " comes before its forward in an in-order schedule");
     return;  // posted by the consumer once the forward has run
   }
-  const TensorMeta meta = saved != saved_.end() ? TensorMeta::of(saved->second.output) : sent->second;
+  const MessageMeta meta = gradient_meta(key);
+  if (meta.empty()) return;  // outputs of integer dtypes only: no gradient comes back
   gradient_recvs_[key] =
       channel_.post(meta, rank_of(action.stage + 1), {Direction::Backward, action.stage, action.microbatch, false});
 }
 
 void Executor::receive_header(const Key& key, int src) {
   auto header = activation_headers_.find(key);
-  TensorMeta meta = channel_.finish_header(header->second);
+  MessageMeta meta = channel_.finish_header(header->second);
   activation_headers_.erase(header);
   check_expected_input(key.first, key.second, meta);
   received_meta_[key] = meta;
   activation_recvs_[key] = channel_.post(meta, src, {Direction::Forward, key.first, key.second, false});
 }
 
-at::Tensor Executor::take_activation(const Action& consumer) {
+Tensors Executor::take_activation(const Action& consumer) {
   const Key key{consumer.stage, consumer.microbatch};
   auto local = local_activations_.find(key);
   if (local != local_activations_.end()) {
-    at::Tensor input = std::move(local->second);
+    Tensors inputs = std::move(local->second);
     local_activations_.erase(local);
-    return input;
+    return inputs;
   }
   const Action recv_action{consumer.stage, ActionType::RECV_F, consumer.microbatch};
   if (activation_headers_.count(key)) receive_header(key, rank_of(consumer.stage - 1));
   auto recv = activation_recvs_.find(key);
   TORCH_CHECK(recv != activation_recvs_.end(), "torchpp pipeline: ", consumer.str(),
               " needs an activation that no RECV_F posted (schedule not lowered?)");
-  at::Tensor input = channel_.finish(recv->second, received_meta_.at(key));
+  Tensors inputs = channel_.finish(recv->second, received_meta_.at(key));
   activation_recvs_.erase(recv);
   timeline_.arrived(recv_action.str(), now_us());
   timeline_.restart(current_record_);
-  return input;
+  return inputs;
 }
 
-at::Tensor Executor::take_gradient(const Action& consumer) {
+Tensors Executor::take_gradient(const Action& consumer) {
   const Key key{consumer.stage, consumer.microbatch};
   auto local = local_gradients_.find(key);
   if (local != local_gradients_.end()) {
-    at::Tensor grad = std::move(local->second);
+    Tensors grads = std::move(local->second);
     local_gradients_.erase(local);
-    return grad;
+    return grads;
   }
+  const MessageMeta meta = gradient_meta(key);
+  if (meta.empty()) return {};
   auto recv = gradient_recvs_.find(key);
   const Action recv_action{consumer.stage, ActionType::RECV_B, consumer.microbatch};
-  TensorMeta meta;
-  // saved_ no longer holds the output here; the sender side of this stage cached its metadata.
-  auto sent = sent_meta_.find(key);
-  TORCH_CHECK(sent != sent_meta_.end(), "torchpp pipeline: ", consumer.str(), " has no output metadata");
-  meta = sent->second;
   if (recv == gradient_recvs_.end()) {
     TORCH_CHECK(!config_.in_order, "torchpp pipeline: ", consumer.str(), " has no RECV_B before it in an in-order schedule");
     recv = gradient_recvs_.emplace(key, channel_.post(meta, rank_of(consumer.stage + 1),
                                                       {Direction::Backward, consumer.stage, consumer.microbatch, false}))
                .first;
   }
-  at::Tensor grad = channel_.finish(recv->second, meta);
+  Tensors grads = channel_.finish(recv->second, meta);
   gradient_recvs_.erase(recv);
   timeline_.arrived(recv_action.str(), now_us());
   timeline_.restart(current_record_);
-  return grad;
+  return grads;
 }
 
-void Executor::check_expected_input(int stage, int microbatch, const TensorMeta& meta) const {
+void Executor::check_expected_input(int stage, int microbatch, const MessageMeta& meta) const {
   auto expected = config_.expected_inputs.find(stage);
   if (expected == config_.expected_inputs.end()) {
     return;
   }
   const auto& want = expected->second;
   // The batch dimension may differ (an uneven last microbatch); every other must match.
-  const bool same = want.dtype == meta.dtype && want.shape.size() == meta.shape.size() &&
-                    std::equal(want.shape.begin() + std::min<size_t>(1, want.shape.size()), want.shape.end(),
-                               meta.shape.begin() + std::min<size_t>(1, meta.shape.size()));
+  auto same_but_batch = [](const TensorMeta& a, const TensorMeta& b) {
+    return a.dtype == b.dtype && a.shape.size() == b.shape.size() &&
+           std::equal(a.shape.begin() + std::min<size_t>(1, a.shape.size()), a.shape.end(),
+                      b.shape.begin() + std::min<size_t>(1, b.shape.size()));
+  };
+  const bool same = want.tensors.size() == meta.tensors.size() &&
+                    std::equal(want.tensors.begin(), want.tensors.end(), meta.tensors.begin(), same_but_batch);
   if (!same) {
     shape_error("stage " + std::to_string(stage) + " microbatch " + std::to_string(microbatch) + " received " +
                 meta.str() + " from stage " + std::to_string(stage - 1) + " but expects " + want.str() +

@@ -2,7 +2,9 @@
 // schedule from the schedule compiler, once per training step (or, given a forward-only list,
 // once per evaluation step, without autograd).
 //
-//  - F calls back into the stage module (Python or any callable) with the received input;
+//  - F calls back into the stage module (Python or any callable) with the received inputs
+//    (one tensor or several: a stage may pass a tuple to the next, whose gradient message
+//    then holds the gradients of its floating-point entries);
 //    I and B run autograd in C++; I captures split-B/W linears' weight gradients under
 //    (stage, microbatch) in the weight-gradient store and W runs them.
 //  - A microbatch's saved activations and output are dropped as soon as its I/B has run.
@@ -34,9 +36,9 @@
 
 namespace torchpp::runtime {
 
-// (stage, microbatch, input) -> output; the input is undefined on a first stage (the callback
-// owns the step's inputs) and the output of a last stage is its (scaled) loss.
-using ForwardFn = std::function<at::Tensor(int64_t, int64_t, const at::Tensor&)>;
+// (stage, microbatch, inputs) -> outputs; the inputs are empty on a first stage (the callback
+// owns the step's inputs) and the output of a last stage is its (scaled) loss alone.
+using ForwardFn = std::function<Tensors(int64_t, int64_t, const Tensors&)>;
 
 struct ExecutorConfig {
   int rank = 0;                      // this rank in the pipeline group
@@ -51,7 +53,7 @@ struct ExecutorConfig {
   bool in_order = false;  // actions come from lower_in_order; issue messages exactly there
   std::vector<std::string> abort_groups;  // groups to abort when a step fails
   c10::Device device = c10::Device(c10::DeviceType::CPU);
-  std::map<int, TensorMeta> expected_inputs;  // user-given input metadata per stage
+  std::map<int, MessageMeta> expected_inputs;  // user-given input metadata per stage
 };
 
 class Executor {
@@ -73,8 +75,8 @@ class Executor {
  private:
   using Key = std::pair<int, int>;  // (stage, microbatch)
   struct Saved {
-    at::Tensor input;
-    at::Tensor output;
+    Tensors inputs;
+    Tensors outputs;
   };
 
   [[noreturn]] void fail_step(const std::exception& error, const std::string& where);
@@ -87,9 +89,11 @@ class Executor {
   void post_recv_backward(const schedule::Action& action);
   // Waits for the header of (stage, microbatch)'s activation and posts the data receive.
   void receive_header(const Key& key, int src);
-  at::Tensor take_activation(const schedule::Action& consumer);
-  at::Tensor take_gradient(const schedule::Action& consumer);
-  void check_expected_input(int stage, int microbatch, const TensorMeta& meta) const;
+  Tensors take_activation(const schedule::Action& consumer);
+  Tensors take_gradient(const schedule::Action& consumer);
+  // The gradient message `key`'s forward output gets back (empty: nothing travels).
+  MessageMeta gradient_meta(const Key& key) const;
+  void check_expected_input(int stage, int microbatch, const MessageMeta& meta) const;
   void reset_step_state();
   // Whether headers travel this step: every rank must agree, so a tiny all-reduce decides. It
   // runs from the step's start and is read where a message first needs the answer, so the
@@ -114,16 +118,16 @@ class Executor {
   PendingRecv vote_;
 
   std::map<Key, Saved> saved_;
-  std::map<Key, at::Tensor> local_activations_;  // next stage on this rank: handed over directly
-  std::map<Key, at::Tensor> input_grads_;        // produced by I/B, awaiting SEND_B
-  std::map<Key, at::Tensor> local_gradients_;    // previous stage on this rank: keyed by its (stage, mb)
+  std::map<Key, Tensors> local_activations_;  // next stage on this rank: handed over directly
+  std::map<Key, Tensors> input_grads_;        // produced by I/B, awaiting SEND_B
+  std::map<Key, Tensors> local_gradients_;    // previous stage on this rank: keyed by its (stage, mb)
   std::map<Key, PendingRecv> activation_recvs_;  // keyed by consumer (stage, microbatch)
   std::map<Key, PendingRecv> activation_headers_;
   std::map<Key, PendingRecv> gradient_recvs_;
   std::map<Key, PendingSend> activation_sends_;  // reaped once the microbatch's backward ran
   std::vector<PendingSend> other_sends_;         // headers and gradients: waited at step end
-  std::map<Key, TensorMeta> received_meta_;      // per consumer (stage, microbatch), across steps
-  std::map<Key, TensorMeta> sent_meta_;          // per producer (stage, microbatch), across steps
+  std::map<Key, MessageMeta> received_meta_;     // per consumer (stage, microbatch), across steps
+  std::map<Key, MessageMeta> sent_meta_;         // per producer (stage, microbatch), across steps
   int64_t peak_activations_ = 0;
   size_t current_record_ = 0;  // timeline record of the running action
 };

@@ -5,6 +5,7 @@
 
 #include "ops/p2p.h"
 #include "ops/process_group.h"
+#include "runtime/message_buffer.h"
 
 namespace torchpp::runtime {
 namespace {
@@ -29,21 +30,21 @@ P2PChannel::P2PChannel(const std::string& group_name, std::string tp_group_name,
 
 P2PChannel::~P2PChannel() = default;
 
-PendingSend P2PChannel::send(const at::Tensor& tensor, int dst, MessageTag tag) {
-  std::vector<at::Tensor> buffers{p2p::scatter_slice(tensor.detach(), tp_rank_, tp_size_)};
+PendingSend P2PChannel::send(const Tensors& tensors, int dst, MessageTag tag) {
+  std::vector<at::Tensor> buffers{p2p::scatter_slice(pack_message(tensors), tp_rank_, tp_size_)};
   auto work = group_->send(buffers, dst, tag_of(tag));
   return {work, buffers[0]};
 }
 
-PendingSend P2PChannel::send_header(const TensorMeta& meta, int dst, MessageTag tag) {
+PendingSend P2PChannel::send_header(const MessageMeta& meta, int dst, MessageTag tag) {
   std::vector<at::Tensor> buffers{meta.encode(device_)};
   auto work = group_->send(buffers, dst, tag_of(tag));
   return {work, buffers[0]};
 }
 
-PendingRecv P2PChannel::post(const TensorMeta& meta, int src, MessageTag tag) {
-  std::vector<at::Tensor> buffers{
-      at::empty({p2p::sent_numel(meta.numel(), tp_size_)}, at::TensorOptions().dtype(meta.dtype).device(device_))};
+PendingRecv P2PChannel::post(const MessageMeta& meta, int src, MessageTag tag) {
+  std::vector<at::Tensor> buffers{at::empty({p2p::sent_numel(wire_numel(meta), tp_size_)},
+                                            at::TensorOptions().dtype(wire_dtype(meta)).device(device_))};
   auto work = group_->recv(buffers, src, tag_of(tag));
   return {work, buffers[0]};
 }
@@ -54,16 +55,17 @@ PendingRecv P2PChannel::post_header(int src, MessageTag tag) {
   return {work, buffers[0]};
 }
 
-at::Tensor P2PChannel::finish(PendingRecv& recv, const TensorMeta& meta) {
+Tensors P2PChannel::finish(PendingRecv& recv, const MessageMeta& meta) {
   recv.work->wait();
   recv.work.reset();
-  return p2p::gather_slices(recv.buffer, meta.shape, tp_group_name_, tp_size_);
+  const int64_t numel = wire_numel(meta);
+  return unpack_message(p2p::gather_slices(recv.buffer, {numel}, tp_group_name_, tp_size_), meta);
 }
 
-TensorMeta P2PChannel::finish_header(PendingRecv& recv) {
+MessageMeta P2PChannel::finish_header(PendingRecv& recv) {
   recv.work->wait();
   recv.work.reset();
-  return TensorMeta::decode(recv.buffer);
+  return MessageMeta::decode(recv.buffer);
 }
 
 PendingRecv P2PChannel::post_vote(bool exchange_meta, int step_kind) {

@@ -3,7 +3,8 @@
 // or data), so a receive can be posted whenever its size is known and never match the wrong
 // message. In order (NCCL, which ignores tags): one tag for data and one for headers, so gloo
 // too matches by order, and the schedule's in-order lowering keeps both ranks' orders equal.
-// With scatter/gather on, each TP rank moves only its 1/t slice and the receivers all-gather.
+// A message of several tensors travels packed in one buffer (message_buffer.h). With
+// scatter/gather on, each TP rank moves only its 1/t slice and the receivers all-gather.
 #pragma once
 
 #include <string>
@@ -48,14 +49,14 @@ class P2PChannel {
              bool scatter_gather, bool in_order, c10::Device device);
   ~P2PChannel();
 
-  PendingSend send(const at::Tensor& tensor, int dst, MessageTag tag);
-  PendingSend send_header(const TensorMeta& meta, int dst, MessageTag tag);
+  PendingSend send(const Tensors& tensors, int dst, MessageTag tag);
+  PendingSend send_header(const MessageMeta& meta, int dst, MessageTag tag);
   // Posts the receive of a message of `meta` (this rank's slice of it under scatter/gather).
-  PendingRecv post(const TensorMeta& meta, int src, MessageTag tag);
+  PendingRecv post(const MessageMeta& meta, int src, MessageTag tag);
   PendingRecv post_header(int src, MessageTag tag);
-  // Waits for a posted message and returns the whole tensor of `meta`.
-  at::Tensor finish(PendingRecv& recv, const TensorMeta& meta);
-  TensorMeta finish_header(PendingRecv& recv);
+  // Waits for a posted message and returns the whole tensors of `meta`.
+  Tensors finish(PendingRecv& recv, const MessageMeta& meta);
+  MessageMeta finish_header(PendingRecv& recv);
 
   // The step-start agreement over the pipeline group: whether any rank needs headers this
   // step, and whether all ranks run the same kind of step (train or eval). An all-reduce that

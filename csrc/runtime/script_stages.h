@@ -8,6 +8,9 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include "runtime/tensor_meta.h"
 
 namespace torch::jit {
 struct Module;
@@ -25,12 +28,13 @@ class ScriptStages {
 
   // This step's microbatches (inputs on first stages, targets on last) and loss weights.
   void set_step(std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::vector<double> weights);
-  // The executor's ForwardFn: (stage, microbatch, input) -> output, or the (scaled) loss.
-  at::Tensor operator()(int64_t stage, int64_t microbatch, const at::Tensor& input);
+  // The executor's ForwardFn: (stage, microbatch, inputs) -> outputs, or the (scaled) loss.
+  Tensors operator()(int64_t stage, int64_t microbatch, const Tensors& inputs);
 
-  // Unscaled loss and output of each microbatch a last stage of this rank ran, last step.
+  // Unscaled loss and output (a tensor or a tuple of them) of each microbatch a last stage of
+  // this rank ran, last step.
   const std::map<int64_t, at::Tensor>& losses() const { return losses_; }
-  const std::map<int64_t, at::Tensor>& outputs() const { return outputs_; }
+  const std::map<int64_t, c10::IValue>& outputs() const { return outputs_; }
 
  private:
   struct Modules;
@@ -41,7 +45,7 @@ class ScriptStages {
   std::vector<at::Tensor> targets_;
   std::vector<double> weights_;
   std::map<int64_t, at::Tensor> losses_;
-  std::map<int64_t, at::Tensor> outputs_;
+  std::map<int64_t, c10::IValue> outputs_;
 };
 
 }  // namespace torchpp::runtime

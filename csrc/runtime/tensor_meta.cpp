@@ -10,29 +10,6 @@ TensorMeta TensorMeta::of(const at::Tensor& tensor) {
   return TensorMeta{tensor.scalar_type(), tensor.sizes().vec()};
 }
 
-at::Tensor TensorMeta::encode(c10::Device device) const {
-  TORCH_CHECK(static_cast<int64_t>(shape.size()) <= kMaxDims, "torchpp pipeline: a stage output of ",
-              shape.size(), " dimensions exceeds the supported ", kMaxDims);
-  auto header = at::zeros({kHeaderSlots}, at::kLong);
-  auto* slots = header.data_ptr<int64_t>();
-  slots[0] = static_cast<int64_t>(dtype);
-  slots[1] = static_cast<int64_t>(shape.size());
-  for (size_t d = 0; d < shape.size(); d++) {
-    slots[2 + d] = shape[d];
-  }
-  return header.to(device);
-}
-
-TensorMeta TensorMeta::decode(const at::Tensor& header) {
-  auto host = header.to(at::kCPU).contiguous();
-  const auto* slots = host.data_ptr<int64_t>();
-  TORCH_CHECK(slots[1] >= 0 && slots[1] <= kMaxDims, "torchpp pipeline: corrupt metadata header (ndim ", slots[1], ")");
-  TensorMeta meta;
-  meta.dtype = static_cast<c10::ScalarType>(slots[0]);
-  meta.shape.assign(slots + 2, slots + 2 + slots[1]);
-  return meta;
-}
-
 int64_t TensorMeta::numel() const {
   int64_t n = 1;
   for (auto d : shape) n *= d;
@@ -43,6 +20,64 @@ std::string TensorMeta::str() const {
   std::ostringstream out;
   out << c10::IntArrayRef(shape) << " " << dtype;
   return out.str();
+}
+
+bool carries_gradient(c10::ScalarType dtype) {
+  return at::isFloatingType(dtype) || at::isComplexType(dtype);
+}
+
+MessageMeta MessageMeta::of(const Tensors& tensors) {
+  MessageMeta meta;
+  meta.tensors.reserve(tensors.size());
+  for (const auto& tensor : tensors) meta.tensors.push_back(TensorMeta::of(tensor));
+  return meta;
+}
+
+at::Tensor MessageMeta::encode(c10::Device device) const {
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) <= kMaxMessageTensors, "torchpp pipeline: a stage output of ",
+              tensors.size(), " tensors exceeds the supported ", kMaxMessageTensors);
+  auto header = at::zeros({kHeaderSlots}, at::kLong);
+  auto* slots = header.data_ptr<int64_t>();
+  slots[0] = static_cast<int64_t>(tensors.size());
+  for (size_t t = 0; t < tensors.size(); t++) {
+    const auto& meta = tensors[t];
+    TORCH_CHECK(static_cast<int64_t>(meta.shape.size()) <= kMaxDims, "torchpp pipeline: a stage output of ",
+                meta.shape.size(), " dimensions exceeds the supported ", kMaxDims);
+    int64_t* entry = slots + 1 + t * kTensorSlots;
+    entry[0] = static_cast<int64_t>(meta.dtype);
+    entry[1] = static_cast<int64_t>(meta.shape.size());
+    for (size_t d = 0; d < meta.shape.size(); d++) entry[2 + d] = meta.shape[d];
+  }
+  return header.to(device);
+}
+
+MessageMeta MessageMeta::decode(const at::Tensor& header) {
+  auto host = header.to(at::kCPU).contiguous();
+  const auto* slots = host.data_ptr<int64_t>();
+  TORCH_CHECK(slots[0] >= 0 && slots[0] <= kMaxMessageTensors, "torchpp pipeline: corrupt metadata header (",
+              slots[0], " tensors)");
+  MessageMeta meta;
+  for (int64_t t = 0; t < slots[0]; t++) {
+    const int64_t* entry = slots + 1 + t * kTensorSlots;
+    TORCH_CHECK(entry[1] >= 0 && entry[1] <= kMaxDims, "torchpp pipeline: corrupt metadata header (ndim ", entry[1], ")");
+    meta.tensors.push_back(TensorMeta{static_cast<c10::ScalarType>(entry[0]), {entry + 2, entry + 2 + entry[1]}});
+  }
+  return meta;
+}
+
+MessageMeta MessageMeta::gradients() const {
+  MessageMeta grads;
+  for (const auto& meta : tensors) {
+    if (carries_gradient(meta.dtype)) grads.tensors.push_back(meta);
+  }
+  return grads;
+}
+
+std::string MessageMeta::str() const {
+  if (tensors.size() == 1) return tensors[0].str();
+  std::string out = "(";
+  for (size_t t = 0; t < tensors.size(); t++) out += (t ? ", " : "") + tensors[t].str();
+  return out + ")";
 }
 
 }  // namespace torchpp::runtime

@@ -16,9 +16,14 @@ FEATURES, BATCH, M = 8, 8, 4
 FAIL_WITHIN_S = 15
 
 
-class ReturnsTuple(nn.Module):
+class ReturnsDict(nn.Module):
     def forward(self, x):
-        return (x, x)
+        return {"hidden": x}
+
+
+class ReturnsTupleWithString(nn.Module):
+    def forward(self, x):
+        return x, "label"
 
 
 class CountsCalls(nn.Module):
@@ -58,7 +63,11 @@ def _scenario(kind):
     if kind == "shape_mismatch":
         input_args = torch.empty(BATCH // M, FEATURES + 3, device="meta")
     elif kind == "non_tensor":
-        first = ReturnsTuple()
+        first = ReturnsDict()
+    elif kind == "tuple_with_non_tensor":
+        first = ReturnsTupleWithString()
+    elif kind == "arity_mismatch":  # rank 1 expects a pair, stage 0 sends one tensor
+        input_args = (torch.empty(BATCH // M, FEATURES, device="meta"), torch.empty(BATCH // M, device="meta"))
     elif kind == "m_too_small":
         name, m = "dualpipe", 2
     elif kind in ("raises_in_forward", "raises_in_eval"):
@@ -93,7 +102,9 @@ def _run_all(kinds):
 EXPECTED = {
     # kind: (exception type on every rank, or per rank; substrings every rank's message contains)
     "shape_mismatch": ("PipelineShapeError", ["stage 1 microbatch 0", "[2, 8]", "[2, 11]"]),
-    "non_tensor": ("PipelineError", ["stage 0 returned a tuple"]),
+    "non_tensor": ("PipelineError", ["stage 0 returned a dict", "must return a Tensor or a tuple of Tensors"]),
+    "tuple_with_non_tensor": ("PipelineError", ["stage 0 returned a tuple holding a str"]),
+    "arity_mismatch": ("PipelineShapeError", ["stage 1 microbatch 0", "[2, 8]", "([2, 8] Float, [2] Float)"]),
     "m_too_small": ("ValueError", ["dualpipe", "m"]),
     "raises_in_forward": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),
     "raises_in_eval": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),

@@ -6,7 +6,7 @@ forward (and the loss on a last stage).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,19 @@ from torchpp.pipeline.stage import PipelineStage
 
 # Tag of the gradient exchange between DualPipe's twin stages, far above the executor's tags.
 _TWIN_GRAD_TAG = 1 << 30
+
+# What a stage returns, and the next stage receives as its positional arguments.
+StageOutput = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+def _is_stage_output(output) -> bool:
+    if isinstance(output, torch.Tensor):
+        return True
+    return isinstance(output, (tuple, list)) and len(output) > 0 and all(isinstance(t, torch.Tensor) for t in output)
+
+
+def _detached(output: StageOutput) -> StageOutput:
+    return output.detach() if isinstance(output, torch.Tensor) else tuple(t.detach() for t in output)
 
 
 class PipelineSchedule:
@@ -76,7 +89,7 @@ class PipelineSchedule:
             in_order=self.in_order_p2p,
             abort_groups=groups,
             device=self.device,
-            expected_inputs={s: st.input_args for s, st in self._stage_of.items() if st.input_args is not None},
+            expected_inputs={s: st.input_tensors for s, st in self._stage_of.items() if st.input_args is not None},
             forward=None if self._script is not None else self._forward,
             script=self._script,
         )
@@ -117,34 +130,34 @@ class PipelineSchedule:
         return self._script is not None
 
     # ---- the executor's callback ----
-    def _forward(self, stage: int, microbatch: int, input: Optional[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, stage: int, microbatch: int, inputs: List[torch.Tensor]) -> StageOutput:
         spp = self._stages_per_pipeline
         module = self._stage_of[stage].submod
-        if input is None:  # a first stage: the batch's microbatch and its further arguments
+        if stage % spp == 0:  # a first stage: the batch's microbatch and its further arguments
             args, kwargs = self._arguments[microbatch]
             output = module(self._inputs[microbatch], *args, **kwargs)
-        else:
-            output = module(input)
-        if not isinstance(output, torch.Tensor):
+        else:  # the previous stage's output: one tensor, or each of its tuple's in turn
+            output = module(*inputs)
+        if stage % spp != spp - 1:
+            return output  # the executor checks it is a Tensor or a tuple of Tensors
+        if not _is_stage_output(output):
             raise TypeError(
                 f"stage {stage} returned a {type(output).__name__} for microbatch {microbatch}; "
-                f"a pipeline stage must return one Tensor"
+                f"a pipeline stage must return a Tensor or a tuple of Tensors"
             )
-        if stage % spp != spp - 1:
-            return output
         if self.loss_fn is not None and self._targets is None:  # eval() without target: outputs only
-            self._outputs[microbatch] = output.detach()
+            self._outputs[microbatch] = _detached(output)
             return output
         loss = output if self.loss_fn is None else self.loss_fn(output, self._targets[microbatch])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"the loss of microbatch {microbatch} must be a one-element tensor, got {loss!r}")
         self._losses[microbatch] = loss.detach()
-        self._outputs[microbatch] = output.detach()
+        self._outputs[microbatch] = _detached(output)
         # Weighted by the microbatch's share of the batch, the summed gradients are the batch's.
         return loss * self._weights[microbatch] if self.scale_grads else loss
 
     def step(self, *args, target: Optional[torch.Tensor] = None, losses: Optional[list] = None,
-             return_outputs: bool = True, **kwargs) -> Optional[torch.Tensor]:
+             return_outputs: bool = True, **kwargs) -> Optional[StageOutput]:
         """Runs forward and backward of one batch over the pipeline; gradients accumulate in .grad.
 
         Args:
@@ -158,7 +171,7 @@ class PipelineSchedule:
 
         Returns:
             On ranks holding a last stage, the outputs of its microbatches concatenated along
-            dim 0; None elsewhere.
+            dim 0 (a tuple of such, if the last stage returns a tuple); None elsewhere.
         """
         output = self._run("train", self._executor, args, kwargs, target, losses, return_outputs)
         if self.schedule.num_pipelines == 2:
@@ -166,7 +179,7 @@ class PipelineSchedule:
         return output
 
     def eval(self, *args, target: Optional[torch.Tensor] = None, losses: Optional[list] = None,
-             return_outputs: bool = True, **kwargs) -> Optional[torch.Tensor]:
+             return_outputs: bool = True, **kwargs) -> Optional[StageOutput]:
         """Runs the forward of one batch over the pipeline, without autograd: each rank's forward
         passes in the schedule's order (``Schedule.forward_only``), nothing kept for a backward,
         no gradient touched. Arguments and result as ``step``; without ``target`` the last
@@ -176,7 +189,7 @@ class PipelineSchedule:
             self._eval_executor = self._make_executor(self.schedule.forward_only().lowered(in_order=self.in_order_p2p))
         return self._run("eval", self._eval_executor, args, kwargs, target, losses, return_outputs)
 
-    def _run(self, kind: str, executor, args, kwargs, target, losses, return_outputs) -> Optional[torch.Tensor]:
+    def _run(self, kind: str, executor, args, kwargs, target, losses, return_outputs) -> Optional[StageOutput]:
         """Splits the batch into microbatches and runs ``executor``'s step over them."""
         try:
             changed = self._prepare(kind, args, kwargs, target)
@@ -198,7 +211,10 @@ class PipelineSchedule:
         mine = sorted(self._outputs)
         if not mine or not return_outputs:
             return None
-        return torch.cat([self._outputs[k] for k in mine])
+        outputs = [self._outputs[k] for k in mine]
+        if isinstance(outputs[0], torch.Tensor):
+            return torch.cat(outputs)
+        return tuple(torch.cat(parts) for parts in zip(*outputs))
 
     def _prepare(self, kind: str, args, kwargs, target) -> bool:
         """Checks and splits this rank's step arguments; whether the input shapes changed since

@@ -1,7 +1,7 @@
 """PipelineStage: one model stage placed on this rank (mirrors torch.distributed.pipelining)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -14,15 +14,20 @@ class PipelineStage:
     """A stage module and where it sits in the pipeline.
 
     Args:
-        submodule: the stage's module; it takes one tensor (the previous stage's output, or
-            the microbatch input on the first stage) and returns one tensor.
+        submodule: the stage's module. The first stage's takes the microbatch (and any further
+            arguments of ``step``); every other stage's takes the previous stage's output: one
+            tensor, or the tensors of its tuple as positional arguments. A stage returns a
+            tensor or a tuple of tensors (at most 8); gradients flow back to the previous
+            stage through the floating-point ones, integer ones (ids, masks) travel forward only.
         stage_index: index of this model stage (0-based).
         num_stages: number of model stages.
         device: device of the stage's parameters and messages.
         group: the pipeline-parallel ProcessGroup (or its name; None: the default group).
-        input_args: optional example of one microbatch's input (a tensor, may be on the meta
-            device); a received input whose dtype or non-batch dimensions differ raises
-            PipelineShapeError. Without it shapes are exchanged between stages.
+        input_args: optional example of one microbatch's input (a tensor or a tuple of them,
+            may be on the meta device); a received input whose count, dtypes or non-batch
+            dimensions differ raises PipelineShapeError, naming both. Shapes travel between
+            stages with or without it (in the first step and when they change), since a
+            microbatch's batch size depends on the split.
         tp_group: the tensor-parallel group of this stage (scatter/gather P2P uses it).
     """
 
@@ -33,13 +38,18 @@ class PipelineStage:
         num_stages: int,
         device: torch.device,
         group: ops.GroupLike = None,
-        input_args: Optional[torch.Tensor] = None,
+        input_args: Optional[Union[torch.Tensor, Tuple[torch.Tensor, ...]]] = None,
         tp_group: ops.GroupLike = None,
     ):
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"torchpp.PipelineStage: stage_index {stage_index} outside [0, {num_stages})")
-        if input_args is not None and not isinstance(input_args, torch.Tensor):
-            raise TypeError("torchpp.PipelineStage: input_args must be one tensor")
+        self.input_tensors = None  # input_args as a list
+        if input_args is not None:
+            tensors = (input_args,) if isinstance(input_args, torch.Tensor) else tuple(input_args)
+            if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+                raise TypeError("torchpp.PipelineStage: input_args must be a tensor or a tuple of tensors, got "
+                                f"{input_args!r}")
+            self.input_tensors = list(tensors)
         self.submod = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
