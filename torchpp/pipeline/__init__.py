@@ -1,6 +1,8 @@
 """Pipeline parallelism: stages on ranks, driven by the schedule compiler's action lists.
 
-Mirrors torch.distributed.pipelining, so migrating is a change of imports::
+Mirrors torch.distributed.pipelining, so migrating is a change of imports (its schedule
+classes, Schedule1F1B and the rest, exist here by the same names); every schedule of the
+compiler is one call away::
 
     from torchpp.pipeline import PipelineStage, build_schedule, split_model
     stage = PipelineStage(submodule, stage_index, num_stages, device, group=pp_group)
@@ -15,6 +17,14 @@ from torchpp.pipeline.schedules import PipelineSchedule, build_schedule
 from torchpp.pipeline.split import split_model
 from torchpp.pipeline.split_linear import SplitBWLinear, split_bw_linear
 from torchpp.pipeline.stage import PipelineStage
+from torchpp.pipeline.torch_names import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 from torchpp.pipeline.trace import export_chrome_trace, plot_timeline
 
 __all__ = [
@@ -22,6 +32,12 @@ __all__ = [
     "PipelineSchedule",
     "PipelineShapeError",
     "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
     "SplitBWLinear",
     "build_schedule",
     "export_chrome_trace",

@@ -308,18 +308,24 @@ def build_schedule(
             (default) turns it on for every device but CPU. Off, messages are tagged and each
             receive is posted before its consumer (``Schedule.lowered()``), which suits gloo.
     """
+    schedule, stage_list = compile_for_stages(name, stages, n_microbatches, costs=costs, memory_limit=memory_limit,
+                                              microbatch_group_size=microbatch_group_size)
+    return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p)
+
+
+def compile_for_stages(name: str, stages: Union[PipelineStage, Sequence[PipelineStage]], n_microbatches: int,
+                       **options) -> Tuple["S.Schedule", List[PipelineStage]]:
+    """The compiled schedule ``name`` for the pipeline group of ``stages`` (this rank's), and the
+    stages as a list. ``options``: passed to ``torchpp.schedule.generate``."""
     stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
     if not stage_list:
         raise ValueError("torchpp pipeline: build_schedule needs at least one stage")
     groups = {st.group.group_name for st in stage_list}
     if len(groups) != 1:
         raise ValueError("torchpp pipeline: all stages of a rank must share one pipeline group")
-    num_ranks = stage_list[0].group_size
     chunks = len(stage_list)
     if name in ("dualpipe",):
         chunks = None  # two copies of one stage per rank, not two chunks
-    schedule = S.generate(
-        name, num_ranks=num_ranks, num_microbatches=n_microbatches, num_chunks=chunks,
-        costs=costs, memory_limit=memory_limit, microbatch_group_size=microbatch_group_size,
-    )
-    return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p)
+    schedule = S.generate(name, num_ranks=stage_list[0].group_size, num_microbatches=n_microbatches,
+                          num_chunks=chunks, **options)
+    return schedule, stage_list
