@@ -26,7 +26,7 @@ c10::ScalarType wire_dtype(const MessageMeta& meta) {
 }
 
 at::Tensor pack_message(const Tensors& tensors) {
-  if (tensors.size() == 1) return tensors[0].detach().contiguous().view({-1});
+  if (tensors.size() == 1) return tensors[0].detach();  // the channel flattens it as it slices
   const MessageMeta meta = MessageMeta::of(tensors);
   auto wire = at::empty({wire_numel(meta)}, tensors.at(0).options().dtype(at::kByte));
   int64_t offset = 0;

@@ -14,6 +14,7 @@ namespace torchpp::runtime {
 int64_t wire_numel(const MessageMeta& meta);
 c10::ScalarType wire_dtype(const MessageMeta& meta);
 
+// The buffer to send: a lone tensor itself (not flattened: sending flattens it), or the packed bytes.
 at::Tensor pack_message(const Tensors& tensors);
 // The message's tensors, viewing `wire` (a flat buffer of wire_numel(meta) elements).
 Tensors unpack_message(const at::Tensor& wire, const MessageMeta& meta);

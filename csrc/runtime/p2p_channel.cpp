@@ -58,8 +58,10 @@ PendingRecv P2PChannel::post_header(int src, MessageTag tag) {
 Tensors P2PChannel::finish(PendingRecv& recv, const MessageMeta& meta) {
   recv.work->wait();
   recv.work.reset();
-  const int64_t numel = wire_numel(meta);
-  return unpack_message(p2p::gather_slices(recv.buffer, {numel}, tp_group_name_, tp_size_), meta);
+  if (meta.tensors.size() == 1) {  // a lone tensor travelled as itself
+    return {p2p::gather_slices(recv.buffer, meta.tensors[0].shape, tp_group_name_, tp_size_)};
+  }
+  return unpack_message(p2p::gather_slices(recv.buffer, {wire_numel(meta)}, tp_group_name_, tp_size_), meta);
 }
 
 MessageMeta P2PChannel::finish_header(PendingRecv& recv) {
