@@ -40,9 +40,20 @@ def batch(vocab: int, seed: int = 7):
     return ids, labels
 
 
-def reference_step(model, ids, labels):
+def padded_batch(vocab: int, seed: int = 7):
+    """A batch with padding: row 1 padded on the right, row 2 on the left (its first queries
+    see no key at all), padding labelled -100; (ids, labels, attention_mask)."""
+    ids, labels = batch(vocab, seed)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    mask[2, :2] = 0
+    labels = labels.masked_fill(mask == 0, -100)
+    return ids, labels, mask
+
+
+def reference_step(model, ids, labels, attention_mask=None):
     """Unwrapped forward/backward: (logits, loss, {hf name: grad}) incl. tied aliases."""
-    out = model(input_ids=ids, labels=labels)
+    out = model(input_ids=ids, labels=labels, attention_mask=attention_mask)
     out.loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
     return out.logits.detach(), out.loss.detach(), grads
@@ -55,17 +66,17 @@ def assert_grads_match(wrapped_grads, reference_grads, what):
         assert_close(grad, reference_grads[name], f"{what} grad of {name}")
 
 
-def check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what):
+def check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what, attention_mask=None):
     """An eval_step, then one step of a parallelized model: both losses (on the last stage) and
     every local gradient equal the reference's, and eval_step leaves no gradient behind;
     returns the HF names this rank holds gradients for."""
-    loss = wrapped.eval_step(ids, labels)
+    loss = wrapped.eval_step(ids, labels, attention_mask=attention_mask)
     assert all(p.grad is None for p in wrapped.parameters()), f"{what}: eval_step produced gradients"
     if wrapped.has_last_stage:
         assert_close(loss, ref_loss, f"{what} eval loss")
     else:
         assert loss is None
-    loss = wrapped.step(ids, labels)
+    loss = wrapped.step(ids, labels, attention_mask=attention_mask)
     if wrapped.has_last_stage:
         assert_close(loss, ref_loss, f"{what} loss")
     else:

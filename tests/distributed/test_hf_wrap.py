@@ -8,26 +8,28 @@ import torch.distributed as dist
 
 import torchpp
 from torchpp.models import parallelize
-from hf_reference import assert_grads_match, batch, check_wrapped_step, hf_names, reference_step, tiny_model
+from hf_reference import (
+    assert_grads_match, batch, check_wrapped_step, hf_names, padded_batch, reference_step, tiny_model,
+)
 from tp_reference import assert_close
 
 TIMEOUT_S = 150
 
 
-def check_tp_equivalence(kind, sequence_parallel):
+def check_tp_equivalence(kind, sequence_parallel, padded=False):
     state = torchpp.init_parallel(tp=2, pp=1)
     model = tiny_model(kind)
     reference = copy.deepcopy(model)
-    ids, labels = batch(model.config.vocab_size)
-    ref_logits, ref_loss, ref_grads = reference_step(reference, ids, labels)
+    ids, labels, mask = padded_batch(model.config.vocab_size) if padded else (*batch(model.config.vocab_size), None)
+    ref_logits, ref_loss, ref_grads = reference_step(reference, ids, labels, mask)
 
     wrapped = parallelize(model, sequence_parallel=sequence_parallel, state=state)
-    what = f"{kind} tp=2 sp={sequence_parallel}"
-    logits = wrapped(ids)
+    what = f"{kind} tp=2 sp={sequence_parallel} padded={padded}"
+    logits = wrapped(ids, attention_mask=mask)
     assert_close(wrapped.gather_logits(logits), ref_logits, f"{what} logits")
-    assert_close(wrapped.eval_step(ids, labels), ref_loss, f"{what} eval loss")
+    assert_close(wrapped.eval_step(ids, labels, attention_mask=mask), ref_loss, f"{what} eval loss")
     assert all(p.grad is None for p in wrapped.parameters()), f"{what}: eval_step produced gradients"
-    loss = wrapped.step(ids, labels)
+    loss = wrapped.step(ids, labels, attention_mask=mask)
     assert_close(loss, ref_loss, f"{what} loss")
     grads = wrapped.hf_state_dict(grads=True)
     # Every HF parameter is accounted for (tied lm_head included).
@@ -44,6 +46,10 @@ def check_all_tp():
         check_tp_equivalence(kind, sequence_parallel=False)
     check_tp_equivalence("llama", sequence_parallel=True)
     check_tp_equivalence("gpt2", sequence_parallel=True)
+    # Padding (right and left): the attention_mask hides padded keys, as in transformers.
+    check_tp_equivalence("llama", sequence_parallel=True, padded=True)
+    check_tp_equivalence("mistral", sequence_parallel=False, padded=True)
+    check_tp_equivalence("gpt2", sequence_parallel=False, padded=True)
     return True
 
 
@@ -99,27 +105,30 @@ def check_vocab_padding():
     return True
 
 
-def check_pipeline_equivalence(kind, schedule, recompute, tied):
+def check_pipeline_equivalence(kind, schedule, recompute, tied, padded=False):
     state = torchpp.init_parallel(tp=2, pp=2)
     model = tiny_model(kind, tied=tied)
     reference = copy.deepcopy(model)
-    ids, labels = batch(model.config.vocab_size)
-    _, ref_loss, ref_grads = reference_step(reference, ids, labels)
+    ids, labels, mask = padded_batch(model.config.vocab_size) if padded else (*batch(model.config.vocab_size), None)
+    _, ref_loss, ref_grads = reference_step(reference, ids, labels, mask)
 
     wrapped = parallelize(model, schedule=schedule, n_microbatches=4, recompute=recompute, state=state)
-    what = f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} rank={dist.get_rank()}"
-    return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what)
+    what = f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} padded={padded} rank={dist.get_rank()}"
+    return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what, attention_mask=mask)
 
 
 def check_all_pipelines():
     names = []
-    for kind, schedule, recompute, tied in (
-        ("llama", "1f1b", None, False),
-        ("gpt2", "zb-h1", "full", True),  # tied embeddings on different ranks, split B/W
-        ("mistral", "interleaved-1f1b", "selective", False),
-        ("gpt2", "zb-v", "selective", True),  # tied embeddings on the same rank: one copy
+    for kind, schedule, recompute, tied, padded in (
+        ("llama", "1f1b", None, False, False),
+        ("gpt2", "zb-h1", "full", True, False),  # tied embeddings on different ranks, split B/W
+        ("mistral", "interleaved-1f1b", "selective", False, False),
+        ("gpt2", "zb-v", "selective", True, False),  # tied embeddings on the same rank: one copy
+        # The padding mask travels down the pipeline with the hidden states (a tuple message).
+        ("llama", "zb-h1", "full", False, True),
+        ("mistral", "interleaved-1f1b", "selective", False, True),
     ):
-        names.append(check_pipeline_equivalence(kind, schedule, recompute, tied))
+        names.append(check_pipeline_equivalence(kind, schedule, recompute, tied, padded))
     return names
 
 
@@ -137,8 +146,9 @@ def test_vocab_padding_embedding_and_cross_entropy(ranks):
 
 def test_pp2_tp2_pipeline_matches_unwrapped(ranks):
     per_rank = ranks(4).run(check_all_pipelines, timeout=TIMEOUT_S)
-    for case in range(4):
+    models = (("llama", False), ("gpt2", True), ("mistral", False), ("gpt2", True), ("llama", False), ("mistral", False))
+    assert all(len(names) == len(models) for names in per_rank)
+    for case, (kind, tied) in enumerate(models):
         covered = set().union(*(set(names[case]) for names in per_rank))
-        kind = ("llama", "gpt2", "mistral", "gpt2")[case]
         # The stages together hold every parameter of the model.
-        assert covered == hf_names(tiny_model(kind, tied=case % 2 == 1)), f"case {case}: {covered}"
+        assert covered == hf_names(tiny_model(kind, tied=tied)), f"case {case}: {covered}"

@@ -3,7 +3,8 @@
 Activations are batch-first, [b, s, h], as in transformers; with sequence parallelism the
 regions outside attention/MLP hold [b, s/t, h] (sequence dim 1). Rotary tables and causal
 masks are computed inside each pipeline stage from the sequence length, so nothing but the
-hidden states travels between stages.
+hidden states travels between stages, and the batch's padding mask [b, s] when one is given
+(a tuple message; it needs no gradient).
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ def sliding_window_mask(seq_len: int, window: int, device) -> torch.Tensor:
 
 
 def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
-                   sliding_window: Optional[int]) -> torch.Tensor:
+                   sliding_window: Optional[int], keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this rank's heads: [b, hq, s, d] x [b, hkv, s, d] -> [b, hq, s, d].
+    ``keep`` [b, s] (bool) hides the keys of padding tokens, as transformers' attention_mask;
+    a query that sees no key at all (left padding) gets zeros, as from SDPA in transformers.
 
     The piece selective recompute redoes: it holds the s x s scores and probabilities.
     """
@@ -47,6 +50,9 @@ def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
     mask = None
     if sliding_window is not None and sliding_window < seq_len:
         mask = sliding_window_mask(seq_len, sliding_window, q.device)
+    if keep is not None:
+        causal = mask if mask is not None else torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        mask = causal[None, None] & keep[:, None, None, :]
     p = dropout if training else 0.0
     # Heads are split over TP ranks, so attention dropout draws from the per-TP-rank stream.
     with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
@@ -109,13 +115,13 @@ class ParallelSelfAttention(nn.Module):
     def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:  # [b, s, n*d] -> [b, n, s, d]
         return t.view(t.shape[0], t.shape[1], heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = self.qkv(x)  # full sequence even under SP: the column layers all-gathered it
         q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
         if self.apply_rope is not None:
             q, k = self.apply_rope(q, k, *rope)
         options = dict(scaling=self.scaling, dropout=self.dropout, training=self.training,
-                       sliding_window=self.sliding_window)
+                       sliding_window=self.sliding_window, keep=keep)
         if self.recompute_core:
             core = recompute.checkpoint(attention_core, q, k, v, **options)
         else:
@@ -170,9 +176,9 @@ class DecoderBlock(nn.Module):
             tp.mark_sequence_parallel(norm1)
             tp.mark_sequence_parallel(norm2)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
         drop = lambda y: tp_dropout(y, self.dropout, self.training, self.sequence_parallel)  # noqa: E731
-        x = x + drop(self.attention(self.norm1(x), rope))
+        x = x + drop(self.attention(self.norm1(x), rope, keep))
         return x + drop(self.mlp(self.norm2(x)))
 
 
@@ -223,7 +229,9 @@ class CausalLMStage(nn.Module):
     """One pipeline stage of a wrapped causal LM: [embedding], blocks, [norm + head].
 
     Takes token ids [b, s] (first stage) or hidden states [b, s(/t), h] and returns hidden
-    states, or this rank's vocabulary slice of the logits on the last stage.
+    states, or this rank's vocabulary slice of the logits on the last stage. With an
+    ``attention_mask`` [b, s] (1: token, 0: padding; transformers' convention) it also passes
+    the mask on: (hidden states, attention_mask) for the next stage.
 
     Args:
         embedding: ParallelTokenEmbedding on the first stage, else None.
@@ -254,12 +262,14 @@ class CausalLMStage(nn.Module):
         positions = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
         return self.rotary(hidden, positions)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
         if self.embedding is not None:
             x = self.embedding(x)
         rope = self._rope(x)
+        # An all-ones mask hides nothing: the plain causal path, as transformers does.
+        keep = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
         for block in self.blocks:
-            x = recompute.checkpoint(block, x, rope) if self.recompute == "full" else block(x, rope)
+            x = recompute.checkpoint(block, x, rope, keep) if self.recompute == "full" else block(x, rope, keep)
         if self.head is not None:
-            x = self.head(x)
-        return x
+            return self.head(x)
+        return x if attention_mask is None else (x, attention_mask)
