@@ -5,6 +5,9 @@
 // too matches by order, and the schedule's in-order lowering keeps both ranks' orders equal.
 // A message of several tensors travels packed in one buffer (message_buffer.h). With
 // scatter/gather on, each TP rank moves only its 1/t slice and the receivers all-gather.
+// Streams are c10d's: ProcessGroupNCCL runs each send/recv on its own stream after an event
+// on the caller's current stream, and Work::wait() makes the current stream wait for it
+// without blocking the host, so compute and P2P overlap with no stream code here.
 #pragma once
 
 #include <string>
