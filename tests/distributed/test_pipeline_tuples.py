@@ -20,7 +20,7 @@ from torch import nn
 from pipeline_checks import local_last_microbatches
 from pipeline_models import linear
 from torchpp import schedule as S
-from torchpp.pipeline import PipelineStage, build_schedule
+from torchpp.pipeline import PipelineStage, build_schedule, split_model
 from torchpp.pipeline.microbatch import loss_weights, split_microbatches
 
 FEATURES, POSITIONS, BATCH, M = 8, 5, 16, 8
@@ -103,6 +103,8 @@ def make_stages(model: str, count: int):
         return [IdsFirst().double(), EmbedLast().double()]
     if model == "script":
         return [ScriptFirst().double(), ScriptLast().double()]
+    if model == "split":  # split_model's parts of a model whose blocks pass tuples
+        return split_model(TupleModel(8).double(), count)
     return [TupleStage(k, count, tuple_out=model == "tuple_out").double() for k in range(count)]
 
 
@@ -112,6 +114,17 @@ def first_of(output):
 
 def loss_fn(output, target):
     return F.mse_loss(first_of(output), target)
+
+
+class TupleModel(nn.Module):
+    """A whole model of TupleStage blocks, for split_model."""
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(TupleStage(k, blocks) for k in range(blocks))
+
+    def forward(self, x):
+        return reference_forward(self.blocks, x)
 
 
 def reference_forward(stages, x):
@@ -196,7 +209,8 @@ def _check_tp_pp(configs):
 CONFIGS = [dict(name=n, in_order=o) for n in S.SCHEDULES for o in (False, True)] + [
     dict(name="1f1b", model="ids"), dict(name="zb-h1", model="ids", in_order=True),
     dict(name="1f1b", model="tuple_out"), dict(name="interleaved-1f1b", model="tuple_out"),
-    dict(name="1f1b", model="script"), dict(name="zb-h1", model="script", in_order=True)]
+    dict(name="1f1b", model="script"), dict(name="zb-h1", model="script", in_order=True),
+    dict(name="1f1b", model="split"), dict(name="zb-v", model="split")]
 TP_CONFIGS = [dict(name="1f1b", scatter_gather=True), dict(name="zb-h1", scatter_gather=True),
               dict(name="1f1b", scatter_gather=False)]
 
@@ -232,3 +246,16 @@ def test_tuple_messages_match_one_process(results, index):
 @pytest.mark.parametrize("index", range(len(TP_CONFIGS)), ids=[_config_id(c) for c in TP_CONFIGS])
 def test_tuple_messages_under_tp_scatter_gather(tp_results, index):
     _assert_ok([r[index] for r in tp_results])
+
+
+def test_split_model_parts_pass_tuples_between_blocks():
+    torch.manual_seed(0)
+    model = TupleModel(6).double()
+    x = torch.randn(4, 3, FEATURES, dtype=torch.float64)
+    parts = split_model(model, 3)
+    torch.testing.assert_close(reference_forward(parts, x), model(x), rtol=0, atol=0)
+    plain = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    first, second = split_model(plain, 2)
+    scripted = torch.jit.script(first)  # TorchScript gets a plain nn.Sequential of the same modules
+    y = torch.randn(2, 3)
+    torch.testing.assert_close(second(scripted(y)), plain(y))

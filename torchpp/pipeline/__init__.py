@@ -14,7 +14,7 @@ The executor is C++ (csrc/runtime); see docs/pipeline.md.
 from torchpp.pipeline import weight_grad_store
 from torchpp.pipeline.errors import PipelineError, PipelineShapeError
 from torchpp.pipeline.schedules import PipelineSchedule, build_schedule
-from torchpp.pipeline.split import split_model
+from torchpp.pipeline.split import StageSequential, split_model
 from torchpp.pipeline.split_linear import SplitBWLinear, split_bw_linear
 from torchpp.pipeline.stage import PipelineStage
 from torchpp.pipeline.torch_names import (
@@ -38,6 +38,7 @@ __all__ = [
     "ScheduleInterleaved1F1B",
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
+    "StageSequential",
     "SplitBWLinear",
     "build_schedule",
     "export_chrome_trace",

@@ -24,11 +24,29 @@ def _blocks(model: nn.Module, split_points: Sequence[str]) -> List[Tuple[str, nn
     return blocks
 
 
-def split_model(model: nn.Module, num_stages: int, split_points: Optional[Sequence[str]] = None) -> List[nn.Sequential]:
-    """Cuts ``model`` into ``num_stages`` ``nn.Sequential`` parts sharing its modules.
+class StageSequential(nn.Sequential):
+    """``nn.Sequential`` whose children may pass several tensors: a tuple a child returns
+    becomes the next child's positional arguments, as between pipeline stages. Keyword
+    arguments go to the first child (the first stage's further step arguments)."""
+
+    def forward(self, *args, **kwargs):
+        for index, module in enumerate(self):
+            out = module(*args, **kwargs) if index == 0 else module(*args)
+            args = out if isinstance(out, tuple) else (out,)
+        return args[0] if len(args) == 1 else args
+
+    def __prepare_scriptable__(self) -> nn.Sequential:
+        # torch.jit.script takes this instead: TorchScript has no *args; one value per child.
+        return nn.Sequential(*self)
+
+
+def split_model(model: nn.Module, num_stages: int,
+                split_points: Optional[Sequence[str]] = None) -> List[StageSequential]:
+    """Cuts ``model`` into ``num_stages`` sequential parts (``StageSequential``) sharing its modules.
 
     The model's forward must apply its children in registration order, each feeding the next
-    (embedding, blocks of a ModuleList, norm, head, ...). A split point names the module that
+    (embedding, blocks of a ModuleList, norm, head, ...); a child that returns a tuple feeds
+    the next one its entries as positional arguments. A split point names the module that
     begins a new stage (``"layers.4"``); without split points the blocks are divided evenly,
     expanding ModuleList/Sequential children.
 
@@ -54,4 +72,4 @@ def split_model(model: nn.Module, num_stages: int, split_points: Optional[Sequen
             raise ValueError(f"torchpp.split_model: {len(blocks)} blocks cannot make {num_stages} stages")
         cuts = [round(k * len(blocks) / num_stages) for k in range(1, num_stages)]
     bounds = [0] + cuts + [len(blocks)]
-    return [nn.Sequential(*[module for _, module in blocks[a:b]]) for a, b in zip(bounds, bounds[1:])]
+    return [StageSequential(*[module for _, module in blocks[a:b]]) for a, b in zip(bounds, bounds[1:])]
