@@ -16,8 +16,10 @@
   4. Real measured bubble of zb-h1 and 1f1b against the simulator's prediction from the
      measured F/I/W costs and the transport's measured latency, with passes short (as in 1.)
      and long against that latency.
+  5. Tuple messages: 1F1B step time when stage 0 passes a tuple (hidden, residual, bool mask)
+     to stage 1. torchpp packs the tuple into one message; torch sends each tensor.
 
-    PYTHONPATH=. python bench/bench_pipeline.py [--repeats 60] [--no-pin] [--sections 1234]
+    PYTHONPATH=. python bench/bench_pipeline.py [--repeats 60] [--no-pin] [--sections 12345]
 """
 from __future__ import annotations
 
@@ -196,6 +198,52 @@ def bench_pairs(rank, repeats, width, m, group):
     return rows
 
 
+class TupleFirst(nn.Module):
+    """Stage 0 of section 5: three tensors to the next stage, one of them bool."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, torch.tanh(h), x[:, 0] > -1.0
+
+
+class TupleLast(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h, skip, keep):
+        return self.fc(h + skip) * keep[:, None]
+
+
+def bench_tuples(rank, repeats, group):
+    """Section 5: the same tuple-passing stages under both engines' 1F1B, alternating."""
+    from torch.distributed import pipelining as tpp
+
+    from torchpp.pipeline import PipelineStage, build_schedule
+
+    def module():
+        torch.manual_seed(rank)
+        return TupleFirst(HIDDEN) if rank == 0 else TupleLast(HIDDEN)
+
+    x, y = torch.randn(BATCH, HIDDEN), torch.randn(BATCH, HIDDEN)
+    ours = build_schedule("1f1b", PipelineStage(module(), rank, P, "cpu", group=group), M, loss_fn=F.mse_loss)
+    theirs = tpp.Schedule1F1B(tpp.PipelineStage(module(), rank, P, torch.device("cpu"), group=group), M,
+                              loss_fn=F.mse_loss)
+    steps = {"ours": lambda: ours.step(*([x] if rank == 0 else []), target=y if rank == 1 else None),
+             "theirs": lambda: theirs.step(*([x] if rank == 0 else []), target=y if rank == 1 else None)}
+    wall = {"ours": [], "theirs": []}
+    for k in range(repeats + 3):  # the first three pairs warm up
+        for key in ("ours", "theirs") if k % 2 == 0 else ("theirs", "ours"):
+            elapsed = timed_step(steps[key])[0]
+            if k >= 3:
+                wall[key].append(elapsed)
+    return wall
+
+
 def bench_engine_alone(repeats, group):
     """Rank 0 alone (a one-rank pipeline group): every stage on one rank, so no messages at
     all; CPU per compute action minus the compute floor is the engine's bookkeeping alone."""
@@ -323,6 +371,8 @@ def worker(rank, init_file, repeats, pin, sections, results):
         out["overhead"] = bench_pairs(rank, repeats, TINY, TINY_M, group)
     if "4" in sections:
         out["bubble"] = [bench_bubble(rank, max(repeats // 2, 5), group, w, b) for w, b in BUBBLE_SIZES]
+    if "5" in sections:
+        out["tuples"] = bench_tuples(rank, repeats, group)
     alone_group = dist.new_group([0])
     if rank == 0 and "3" in sections:
         out["split"] = bench_split_linear(repeats)
@@ -393,7 +443,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="leave rank placement to the OS scheduler (default: rank r on core r)")
-    parser.add_argument("--sections", default="1234", help="which of the sections 1-4 to run (default: all)")
+    parser.add_argument("--sections", default="12345", help="which of the sections 1-5 to run (default: all)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -427,6 +477,14 @@ def main():
         print(f"I + W: {fmt(s_split)}; standard linear backward: {fmt(s_std)}; ratio {s_split[0] / s_std[0]:.3f}")
     if "bubble" in out:
         print_bubble_rows(out["bubble"])
+    if "tuples" in out:
+        wall = out["tuples"]
+        print(f"\n5. tuple messages, 1F1B m={M}: stage 0 passes (hidden, residual, bool mask), stages of "
+              f"Linear({HIDDEN},{HIDDEN}), batch {BATCH} (rank 0's wall clock)")
+        print("| torchpp (one packed message per microbatch) | torch.distributed.pipelining (one per tensor) | "
+              "paired ratio torchpp/torch |\n|---|---|---|")
+        print(f"| {fmt(summary(wall['ours']))} | {fmt(summary(wall['theirs']))} | "
+              f"{fmt(paired_ratio(wall['ours'], wall['theirs']), 1, '')} |")
 
 
 if __name__ == "__main__":
