@@ -137,7 +137,7 @@ def run_configs(configs, check=train_and_compare):
     return results
 
 
-def run_tp_pp(configs):
+def run_tp_pp(configs, check=train_and_compare):
     """TP=2 x PP=2 on 4 ranks: rank = pp * 2 + tp."""
     rank = dist.get_rank()
     results = []
@@ -145,7 +145,7 @@ def run_tp_pp(configs):
         tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         try:
-            results.append(train_and_compare(pp_group=pp_groups[rank % 2], tp_group=tp_groups[rank // 2], **config))
+            results.append(check(pp_group=pp_groups[rank % 2], tp_group=tp_groups[rank // 2], **config))
         except Exception:
             results.append({"error": traceback.format_exc()})
     return results

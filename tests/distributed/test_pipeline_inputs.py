@@ -2,7 +2,6 @@
 torch.distributed.pipelining's step(*args, **kwargs): tensors split into microbatches with the
 batch, anything else passed as is; losses, gradients and eval outputs equal one process."""
 import copy
-import traceback
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline_checks import run_configs
 from torchpp.pipeline import PipelineStage, build_schedule
 
 FEATURES, BATCH, M = 6, 12, 4
@@ -26,13 +26,12 @@ class MaskedFirst(nn.Module):
         return h if shift is None else h + shift
 
 
-def _check(name):
-    group = dist.new_group([0, 1])
+def _check(name, pp_group):
     rank = dist.get_rank()
     torch.manual_seed(0)
     first, last = MaskedFirst().double(), nn.Linear(FEATURES, FEATURES).double()
     ref_first, ref_last = copy.deepcopy(first), copy.deepcopy(last)
-    stage = PipelineStage(first if rank == 0 else last, rank, 2, "cpu", group=group)
+    stage = PipelineStage(first if rank == 0 else last, rank, 2, "cpu", group=pp_group)
     sched = build_schedule(name, stage, M, loss_fn=F.mse_loss)
     g = torch.Generator().manual_seed(3)
     x, y, shift = (torch.randn(BATCH, FEATURES, generator=g, dtype=torch.float64) for _ in range(3))
@@ -54,19 +53,9 @@ def _check(name):
     return None
 
 
-def _check_all():
-    results = []
-    for name in SCHEDULES:
-        try:
-            results.append(_check(name))
-        except Exception:
-            results.append({"error": traceback.format_exc()})
-    return results
-
-
 @pytest.fixture(scope="module")
 def results(ranks):
-    return ranks(2).run(_check_all, timeout=120)
+    return ranks(2).run(run_configs, [dict(name=n) for n in SCHEDULES], _check, timeout=120)
 
 
 @pytest.mark.parametrize("index", range(len(SCHEDULES)), ids=SCHEDULES)

@@ -4,7 +4,6 @@ of the same names, and both give the same losses and gradients (and those of one
 from __future__ import annotations
 
 import copy
-import traceback
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchpp.pipeline as torchpp_pp
+from pipeline_checks import run_configs
 
 FEATURES, BATCH, M = 6, 16, 8
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -49,16 +49,15 @@ def user_program(pp, class_name, blocks, group, x, y):
     return mine, losses
 
 
-def _check(class_name):
-    group = dist.new_group([0, 1])
+def _check(class_name, pp_group):
     torch.manual_seed(0)
-    blocks = [Block().double() for _ in range(CLASSES[class_name][0] * group.size())]
+    blocks = [Block().double() for _ in range(CLASSES[class_name][0] * pp_group.size())]
     theirs, ours, reference = copy.deepcopy(blocks), copy.deepcopy(blocks), nn.Sequential(*copy.deepcopy(blocks))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, FEATURES, generator=g, dtype=torch.float64)
     y = torch.randn(BATCH, FEATURES, generator=g, dtype=torch.float64)
-    mine, torch_losses = user_program(torch_pp, class_name, theirs, group, x, y)
-    _, our_losses = user_program(torchpp_pp, class_name, ours, group, x, y)
+    mine, torch_losses = user_program(torch_pp, class_name, theirs, pp_group, x, y)
+    _, our_losses = user_program(torchpp_pp, class_name, ours, pp_group, x, y)
     F.mse_loss(reference(x), y).backward()
     assert len(our_losses) == len(torch_losses)
     for a, b in zip(our_losses, torch_losses):
@@ -71,19 +70,9 @@ def _check(class_name):
     return len(our_losses)
 
 
-def _check_all():
-    results = []
-    for class_name in CLASSES:
-        try:
-            results.append(_check(class_name))
-        except Exception:
-            results.append({"error": traceback.format_exc()})
-    return results
-
-
 @pytest.fixture(scope="module")
 def results(ranks):
-    return ranks(2).run(_check_all, timeout=180)
+    return ranks(2).run(run_configs, [dict(class_name=n) for n in CLASSES], _check, timeout=180)
 
 
 @pytest.mark.parametrize("index", range(len(CLASSES)), ids=list(CLASSES))

@@ -8,7 +8,6 @@ first stage that sends integer ids alone (no gradient comes back), and a last st
 returns a tuple (step and eval return a tuple of concatenated outputs) are covered too."""
 from __future__ import annotations
 
-import traceback
 from typing import Tuple
 
 import pytest
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline_checks import local_last_microbatches
+from pipeline_checks import local_last_microbatches, run_configs, run_tp_pp
 from pipeline_models import linear
 from torchpp import schedule as S
 from torchpp.pipeline import PipelineStage, build_schedule, split_model
@@ -180,32 +179,6 @@ def _check(name, model="tuples", in_order=False, pp_group=None, tp_group=None, s
     return outcome
 
 
-def _check_all(configs):
-    results = []
-    for config in configs:
-        group = dist.new_group(list(range(dist.get_world_size())))
-        try:
-            results.append(_check(pp_group=group, **config))
-        except Exception:
-            results.append({"error": traceback.format_exc()})
-    return results
-
-
-def _check_tp_pp(configs):
-    """TP=2 x PP=2 on 4 ranks (rank = pp * 2 + tp); the stages are replicated over TP, so each
-    TP rank sends 1/2 of the packed message and the receivers all-gather it."""
-    rank = dist.get_rank()
-    results = []
-    for config in configs:
-        tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        try:
-            results.append(_check(pp_group=pp_groups[rank % 2], tp_group=tp_groups[rank // 2], **config))
-        except Exception:
-            results.append({"error": traceback.format_exc()})
-    return results
-
-
 CONFIGS = [dict(name=n, in_order=o) for n in S.SCHEDULES for o in (False, True)] + [
     dict(name="1f1b", model="ids"), dict(name="zb-h1", model="ids", in_order=True),
     dict(name="1f1b", model="tuple_out"), dict(name="interleaved-1f1b", model="tuple_out"),
@@ -230,12 +203,14 @@ def _assert_ok(per_rank):
 
 @pytest.fixture(scope="module")
 def results(ranks):
-    return ranks(2).run(_check_all, CONFIGS, timeout=240)
+    return ranks(2).run(run_configs, CONFIGS, _check, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def tp_results(ranks):
-    return ranks(4).run(_check_tp_pp, TP_CONFIGS, timeout=240)
+    # TP=2 x PP=2: the stages are replicated over TP, so each TP rank sends 1/2 of the packed
+    # message and the receivers all-gather it.
+    return ranks(4).run(run_tp_pp, TP_CONFIGS, _check, timeout=240)
 
 
 @pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[_config_id(c) for c in CONFIGS])
