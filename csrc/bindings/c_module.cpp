@@ -43,30 +43,68 @@ runtime::Tensors stage_outputs(const py::object& out, int64_t stage, int64_t mic
   return tensors;
 }
 
-// Calls the Python stage callback with the GIL; a Python exception becomes a PipelineFailure
-// carrying its message, raised here while the GIL is still held.
-runtime::ForwardFn python_forward(py::function fn) {
-  auto shared = std::make_shared<py::function>(std::move(fn));
-  return [shared](int64_t stage, int64_t microbatch, const runtime::Tensors& inputs) -> runtime::Tensors {
+// Runs `call` with the GIL; a Python exception becomes a PipelineFailure carrying its message,
+// raised while the GIL is still held.
+template <typename Call>
+auto with_python(Call&& call) {
+  py::gil_scoped_acquire gil;
+  try {
+    return call();
+  } catch (py::error_already_set& error) {
+    // pybind appends the Python stack ("\n\nAt:..."); the message alone says what failed.
+    std::string message = error.what();
+    message = message.substr(0, message.find("\n\nAt:"));
+    throw runtime::PipelineFailure(kind_of(error), message);
+  }
+}
+
+// A Python callable the executor's threads may copy and drop without holding the GIL.
+std::shared_ptr<py::function> held(py::function fn) {
+  return std::shared_ptr<py::function>(new py::function(std::move(fn)), [](py::function* f) {
+    if (!Py_IsInitialized()) return;  // a static store emptied after the interpreter ended: leak
     py::gil_scoped_acquire gil;
-    try {
+    delete f;
+  });
+}
+
+// The Python stage callback as the executor's ForwardFn.
+runtime::ForwardFn python_forward(py::function fn) {
+  auto shared = held(std::move(fn));
+  return [shared](int64_t stage, int64_t microbatch, const runtime::Tensors& inputs) -> runtime::Tensors {
+    return with_python([&] {
       py::list args;
       for (const auto& input : inputs) args.append(py::cast(input));
       return stage_outputs((*shared)(stage, microbatch, args), stage, microbatch);
-    } catch (py::error_already_set& error) {
-      // pybind appends the Python stack ("\n\nAt:..."); the message alone says what failed.
-      std::string message = error.what();
-      message = message.substr(0, message.find("\n\nAt:"));
-      throw runtime::PipelineFailure(kind_of(error), message);
-    }
+    });
   };
+}
+
+runtime::BackwardHook python_backward_hook(py::function fn) {
+  auto shared = held(std::move(fn));
+  return [shared](int64_t stage, int64_t microbatch, bool split) {
+    with_python([&] { (*shared)(stage, microbatch, split); });
+  };
+}
+
+// Parks a Python callable in the weight-gradient store under the key being captured (the W pass
+// calls it); false when nothing captures.
+bool defer_python_weight_grad(py::function fn) {
+  auto shared = held(std::move(fn));
+  return weight_grad_store::defer([shared] { with_python([&] { (*shared)(); }); });
+}
+
+std::map<int, runtime::MessageMeta> metas_of(const std::map<int, runtime::Tensors>& examples) {
+  std::map<int, runtime::MessageMeta> metas;
+  for (const auto& [stage, example] : examples) metas[stage] = runtime::MessageMeta::of(example);
+  return metas;
 }
 
 std::unique_ptr<runtime::Executor> make_executor(
     int rank, std::vector<std::string> actions, std::vector<int> stage_to_rank, int stages_per_pipeline,
     std::string pp_group, std::string tp_group, int64_t tp_rank, int64_t tp_size, bool scatter_gather, bool in_order,
-    std::vector<std::string> abort_groups, c10::Device device, std::map<int, runtime::Tensors> expected_inputs,
-    py::object forward, std::shared_ptr<runtime::ScriptStages> script) {
+    std::vector<std::string> abort_groups, c10::Device device, const std::map<int, runtime::Tensors>& expected_inputs,
+    const std::map<int, runtime::Tensors>& expected_outputs, std::set<int> backward_hooked_stages, py::object forward,
+    py::object after_backward, std::shared_ptr<runtime::ScriptStages> script) {
   runtime::ExecutorConfig config;
   config.rank = rank;
   config.actions = std::move(actions);
@@ -80,17 +118,22 @@ std::unique_ptr<runtime::Executor> make_executor(
   config.in_order = in_order;
   config.abort_groups = std::move(abort_groups);
   config.device = device;
-  for (const auto& [stage, example] : expected_inputs) {
-    config.expected_inputs[stage] = runtime::MessageMeta::of(example);
-  }
+  config.expected_inputs = metas_of(expected_inputs);
+  config.expected_outputs = metas_of(expected_outputs);
+  config.backward_hooked_stages = std::move(backward_hooked_stages);
+  runtime::BackwardHook hook;
+  if (!after_backward.is_none()) hook = python_backward_hook(after_backward.cast<py::function>());
   if (script) {  // TorchScript stages: the forward never enters Python
     return std::make_unique<runtime::Executor>(
-        std::move(config), [script](int64_t stage, int64_t microbatch, const runtime::Tensors& inputs) {
+        std::move(config),
+        [script](int64_t stage, int64_t microbatch, const runtime::Tensors& inputs) {
           return (*script)(stage, microbatch, inputs);
-        });
+        },
+        std::move(hook));
   }
   TORCH_CHECK(!forward.is_none(), "torchpp pipeline: an executor needs a forward callback or TorchScript stages");
-  return std::make_unique<runtime::Executor>(std::move(config), python_forward(forward.cast<py::function>()));
+  return std::make_unique<runtime::Executor>(std::move(config), python_forward(forward.cast<py::function>()),
+                                             std::move(hook));
 }
 
 torch::jit::Module script_module(const py::handle& obj, const std::string& what) {
@@ -101,7 +144,8 @@ torch::jit::Module script_module(const py::handle& obj, const std::string& what)
 
 std::shared_ptr<runtime::ScriptStages> make_script_stages(const std::map<int, py::object>& modules,
                                                           const py::object& loss, int stages_per_pipeline,
-                                                          bool scale_grads) {
+                                                          bool scale_grads,
+                                                          const std::map<int, runtime::Tensors>& expected_outputs) {
   std::map<int, torch::jit::Module> scripted;
   for (const auto& [stage, module] : modules) {
     scripted.emplace(stage, script_module(module, "stage " + std::to_string(stage)));
@@ -109,7 +153,7 @@ std::shared_ptr<runtime::ScriptStages> make_script_stages(const std::map<int, py
   std::optional<torch::jit::Module> loss_module;
   if (!loss.is_none()) loss_module = script_module(loss, "loss_fn");
   return std::make_shared<runtime::ScriptStages>(scripted, loss_module ? &*loss_module : nullptr,
-                                                 stages_per_pipeline, scale_grads);
+                                                 stages_per_pipeline, scale_grads, metas_of(expected_outputs));
 }
 
 // The simulator's Chrome-trace writer, fed with measured times (microseconds) instead.
@@ -164,11 +208,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("wgrad_parked_for", &weight_grad_store::parked_for, py::arg("param"));
   m.def("wgrad_in_deferred_accumulate", &weight_grad_store::in_deferred_accumulate);
   m.def("wgrad_set_main_grad", &weight_grad_store::set_main_grad, py::arg("param"), py::arg("main_grad"));
+  m.def("wgrad_defer", &defer_python_weight_grad, py::arg("fn"));
 
   // ---- Pipeline executor ----
   py::class_<runtime::ScriptStages, std::shared_ptr<runtime::ScriptStages>>(m, "ScriptStages")
       .def(py::init(&make_script_stages), py::arg("modules"), py::arg("loss"), py::arg("stages_per_pipeline"),
-           py::arg("scale_grads"))
+           py::arg("scale_grads"), py::arg("expected_outputs") = std::map<int, runtime::Tensors>{})
       .def("set_step", &runtime::ScriptStages::set_step, py::arg("inputs"), py::arg("targets"), py::arg("weights"))
       .def("losses", &runtime::ScriptStages::losses)
       .def("outputs", [](const runtime::ScriptStages& self) {
@@ -189,7 +234,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init(&make_executor), py::arg("rank"), py::arg("actions"), py::arg("stage_to_rank"),
            py::arg("stages_per_pipeline"), py::arg("pp_group"), py::arg("tp_group"), py::arg("tp_rank"),
            py::arg("tp_size"), py::arg("scatter_gather"), py::arg("in_order"), py::arg("abort_groups"), py::arg("device"),
-           py::arg("expected_inputs"), py::arg("forward") = py::none(), py::arg("script") = nullptr)
+           py::arg("expected_inputs"), py::arg("expected_outputs") = std::map<int, runtime::Tensors>{},
+           py::arg("backward_hooked_stages") = std::set<int>{}, py::arg("forward") = py::none(),
+           py::arg("after_backward") = py::none(), py::arg("script") = nullptr)
       .def("step", &runtime::Executor::step, py::arg("inputs_changed"), py::call_guard<py::gil_scoped_release>())
       .def("abort_step", &runtime::Executor::abort_step, py::arg("message"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("peak_activations", &runtime::Executor::peak_activations)
@@ -199,6 +246,14 @@ PYBIND11_MODULE(_C, m) {
         for (const auto& r : self.timeline().records()) out.emplace_back(r.action, r.start_us, r.end_us, r.arrived_us);
         return out;
       });
+  // A last stage's output against its output_args, for the Python stage callback.
+  m.def(
+      "check_stage_output",
+      [](int64_t stage, int64_t microbatch, const runtime::Tensors& output, const runtime::Tensors& expected) {
+        runtime::check_expected(runtime::MessageMeta::of(output), runtime::MessageMeta::of(expected), stage, microbatch,
+                                "returned", "", "output_args");
+      },
+      py::arg("stage"), py::arg("microbatch"), py::arg("output"), py::arg("expected"));
   m.def("real_run_chrome_trace", &real_run_chrome_trace, py::arg("num_ranks"), py::arg("compute"),
         py::arg("transfers"));
 }

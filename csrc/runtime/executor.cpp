@@ -39,9 +39,10 @@ std::vector<Action> parse_actions(const std::vector<std::string>& texts) {
 
 }  // namespace
 
-Executor::Executor(ExecutorConfig config, ForwardFn forward)
+Executor::Executor(ExecutorConfig config, ForwardFn forward, BackwardHook after_backward)
     : config_(std::move(config)),
       forward_fn_(std::move(forward)),
+      after_backward_(std::move(after_backward)),
       actions_(parse_actions(config_.actions)),
       channel_(config_.pp_group, config_.tp_group, config_.tp_rank, config_.tp_size, config_.scatter_gather,
                config_.in_order, config_.device),
@@ -51,6 +52,8 @@ Executor::Executor(ExecutorConfig config, ForwardFn forward)
         return a.type == ActionType::B || a.type == ActionType::I || a.type == ActionType::W;
       })) {
   TORCH_CHECK(config_.stages_per_pipeline > 0, "torchpp pipeline: stages_per_pipeline must be positive");
+  TORCH_CHECK(config_.backward_hooked_stages.empty() || after_backward_,
+              "torchpp pipeline: backward_hooked_stages needs an after_backward hook");
   for (const auto& action : actions_) {
     TORCH_CHECK(action.stage >= 0 && action.stage < static_cast<int>(config_.stage_to_rank.size()),
                 "torchpp pipeline: action ", action.str(), " names a stage outside the schedule");
@@ -187,6 +190,12 @@ void Executor::forward(const Action& action) {
   TORCH_CHECK(!outputs.empty() && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.defined(); }),
               "stage ", action.stage, " returned no tensor for microbatch ", action.microbatch);
   TORCH_CHECK(!is_last(action.stage) || forward_only_ || outputs.size() == 1, "torchpp pipeline: the last stage's callback must return its loss alone");
+  auto expected = config_.expected_outputs.find(action.stage);
+  if (expected != config_.expected_outputs.end() && !is_last(action.stage) && exchange_meta()) {
+    // Checked where shapes travel: in other steps a changed output fails send_forward.
+    check_expected(MessageMeta::of(outputs), expected->second, action.stage, action.microbatch, "returned", "",
+                   "output_args");
+  }
   const bool next_is_local = !is_last(action.stage) && rank_of(action.stage + 1) == config_.rank;
   if (next_is_local) {
     Tensors handed;
@@ -224,10 +233,15 @@ void Executor::backward(const Action& action, bool split) {
       }
     }
   }
-  if (!roots.empty()) {
+  const bool hooked = config_.backward_hooked_stages.count(action.stage) > 0;
+  if (!roots.empty() || hooked) {
     if (split) weight_grad_store::begin_capture(action.stage, action.microbatch);
     try {
-      torch::autograd::backward(roots, grad_outputs, /*retain_graph=*/false, /*create_graph=*/false);
+      if (!roots.empty()) {
+        torch::autograd::backward(roots, grad_outputs, /*retain_graph=*/false, /*create_graph=*/false);
+      }
+      // Still capturing: what the hook defers runs in this microbatch's W.
+      if (hooked) after_backward_(action.stage, action.microbatch, split);
     } catch (...) {
       if (split) weight_grad_store::end_capture();
       throw;
@@ -334,7 +348,11 @@ void Executor::receive_header(const Key& key, int src) {
   auto header = activation_headers_.find(key);
   MessageMeta meta = channel_.finish_header(header->second);
   activation_headers_.erase(header);
-  check_expected_input(key.first, key.second, meta);
+  auto expected = config_.expected_inputs.find(key.first);
+  if (expected != config_.expected_inputs.end()) {
+    check_expected(meta, expected->second, key.first, key.second, "received",
+                   "from stage " + std::to_string(key.first - 1), "input_args");
+  }
   received_meta_[key] = meta;
   activation_recvs_[key] = channel_.post(meta, src, {Direction::Forward, key.first, key.second, false});
 }
@@ -382,27 +400,6 @@ Tensors Executor::take_gradient(const Action& consumer) {
   timeline_.arrived(recv_action.str(), now_us());
   timeline_.restart(current_record_);
   return grads;
-}
-
-void Executor::check_expected_input(int stage, int microbatch, const MessageMeta& meta) const {
-  auto expected = config_.expected_inputs.find(stage);
-  if (expected == config_.expected_inputs.end()) {
-    return;
-  }
-  const auto& want = expected->second;
-  // The batch dimension may differ (an uneven last microbatch); every other must match.
-  auto same_but_batch = [](const TensorMeta& a, const TensorMeta& b) {
-    return a.dtype == b.dtype && a.shape.size() == b.shape.size() &&
-           std::equal(a.shape.begin() + std::min<size_t>(1, a.shape.size()), a.shape.end(),
-                      b.shape.begin() + std::min<size_t>(1, b.shape.size()));
-  };
-  const bool same = want.tensors.size() == meta.tensors.size() &&
-                    std::equal(want.tensors.begin(), want.tensors.end(), meta.tensors.begin(), same_but_batch);
-  if (!same) {
-    shape_error("stage " + std::to_string(stage) + " microbatch " + std::to_string(microbatch) + " received " +
-                meta.str() + " from stage " + std::to_string(stage - 1) + " but expects " + want.str() +
-                " (its input_args)");
-  }
 }
 
 }  // namespace torchpp::runtime

@@ -21,6 +21,7 @@
 
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <utility>
@@ -39,6 +40,10 @@ namespace torchpp::runtime {
 // (stage, microbatch, inputs) -> outputs; the inputs are empty on a first stage (the callback
 // owns the step's inputs) and the output of a last stage is its (scaled) loss alone.
 using ForwardFn = std::function<Tensors(int64_t, int64_t, const Tensors&)>;
+// (stage, microbatch, split): runs right after that microbatch's backward on the stages of
+// backward_hooked_stages (torch's dw_builder); split: an I pass, whose weight-gradient capture
+// is still open, so work the hook defers into the store runs at the microbatch's W.
+using BackwardHook = std::function<void(int64_t, int64_t, bool)>;
 
 struct ExecutorConfig {
   int rank = 0;                      // this rank in the pipeline group
@@ -53,12 +58,14 @@ struct ExecutorConfig {
   bool in_order = false;  // actions come from lower_in_order; issue messages exactly there
   std::vector<std::string> abort_groups;  // groups to abort when a step fails
   c10::Device device = c10::Device(c10::DeviceType::CPU);
-  std::map<int, MessageMeta> expected_inputs;  // user-given input metadata per stage
+  std::map<int, MessageMeta> expected_inputs;   // user-given input metadata per stage
+  std::map<int, MessageMeta> expected_outputs;  // the same for outputs (not of last stages: pre-loss)
+  std::set<int> backward_hooked_stages;         // stages whose backward calls the BackwardHook
 };
 
 class Executor {
  public:
-  Executor(ExecutorConfig config, ForwardFn forward);
+  Executor(ExecutorConfig config, ForwardFn forward, BackwardHook after_backward = nullptr);
   ~Executor();  // out of line: members hold c10d types this header only declares
 
   // Runs one step. `inputs_changed`: this rank's step inputs differ in shape from the last step.
@@ -93,7 +100,6 @@ class Executor {
   Tensors take_gradient(const schedule::Action& consumer);
   // The gradient message `key`'s forward output gets back (empty: nothing travels).
   MessageMeta gradient_meta(const Key& key) const;
-  void check_expected_input(int stage, int microbatch, const MessageMeta& meta) const;
   void reset_step_state();
   // Whether headers travel this step: every rank must agree, so a tiny all-reduce decides. It
   // runs from the step's start and is read where a message first needs the answer, so the
@@ -108,6 +114,7 @@ class Executor {
 
   ExecutorConfig config_;
   ForwardFn forward_fn_;
+  BackwardHook after_backward_;
   std::vector<schedule::Action> actions_;
   P2PChannel channel_;
   FailurePropagation failure_;

@@ -16,8 +16,11 @@ struct ScriptStages::Modules {
 };
 
 ScriptStages::ScriptStages(const std::map<int, torch::jit::Module>& modules, const torch::jit::Module* loss,
-                           int stages_per_pipeline, bool scale_grads)
-    : modules_(std::make_unique<Modules>()), stages_per_pipeline_(stages_per_pipeline), scale_grads_(scale_grads) {
+                           int stages_per_pipeline, bool scale_grads, std::map<int, MessageMeta> expected_outputs)
+    : modules_(std::make_unique<Modules>()),
+      stages_per_pipeline_(stages_per_pipeline),
+      scale_grads_(scale_grads),
+      expected_outputs_(std::move(expected_outputs)) {
   modules_->stages = modules;
   if (loss != nullptr) modules_->loss = *loss;
 }
@@ -80,6 +83,10 @@ Tensors ScriptStages::operator()(int64_t stage, int64_t microbatch, const Tensor
   Tensors outputs = stage_result(result, stage, microbatch);
   if (stage % stages_per_pipeline_ != stages_per_pipeline_ - 1) {
     return outputs;
+  }
+  auto expected = expected_outputs_.find(static_cast<int>(stage));
+  if (expected != expected_outputs_.end()) {
+    check_expected(MessageMeta::of(outputs), expected->second, stage, microbatch, "returned", "", "output_args");
   }
   if (modules_->loss && targets_.empty()) {  // an evaluation step without targets: outputs only
     outputs_[microbatch] = detached(result);

@@ -21,9 +21,10 @@ namespace torchpp::runtime {
 class ScriptStages {
  public:
   // `modules`: schedule stage -> its TorchScript module; `loss`: the loss module of last stages
-  // (null: a last stage's output is its loss).
+  // (null: a last stage's output is its loss); `expected_outputs`: a last stage's output_args,
+  // checked before the loss (the executor checks those of other stages).
   ScriptStages(const std::map<int, torch::jit::Module>& modules, const torch::jit::Module* loss,
-               int stages_per_pipeline, bool scale_grads);
+               int stages_per_pipeline, bool scale_grads, std::map<int, MessageMeta> expected_outputs = {});
   ~ScriptStages();
 
   // This step's microbatches (inputs on first stages, targets on last) and loss weights.
@@ -41,6 +42,7 @@ class ScriptStages {
   std::unique_ptr<Modules> modules_;
   int stages_per_pipeline_;
   bool scale_grads_;
+  std::map<int, MessageMeta> expected_outputs_;
   std::vector<at::Tensor> inputs_;
   std::vector<at::Tensor> targets_;
   std::vector<double> weights_;

@@ -1,8 +1,11 @@
 #include "runtime/tensor_meta.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include <ATen/ATen.h>
+
+#include "runtime/failure.h"
 
 namespace torchpp::runtime {
 
@@ -78,6 +81,23 @@ std::string MessageMeta::str() const {
   std::string out = "(";
   for (size_t t = 0; t < tensors.size(); t++) out += (t ? ", " : "") + tensors[t].str();
   return out + ")";
+}
+
+void check_expected(const MessageMeta& got, const MessageMeta& want, int64_t stage, int64_t microbatch,
+                    const std::string& what, const std::string& source, const std::string& given_as) {
+  auto same_but_batch = [](const TensorMeta& a, const TensorMeta& b) {
+    return a.dtype == b.dtype && a.shape.size() == b.shape.size() &&
+           std::equal(a.shape.begin() + std::min<size_t>(1, a.shape.size()), a.shape.end(),
+                      b.shape.begin() + std::min<size_t>(1, b.shape.size()));
+  };
+  if (want.tensors.size() == got.tensors.size() &&
+      std::equal(want.tensors.begin(), want.tensors.end(), got.tensors.begin(), same_but_batch)) {
+    return;
+  }
+  throw PipelineFailure(FailureKind::Shape, "PipelineShapeError: stage " + std::to_string(stage) + " microbatch " +
+                                                std::to_string(microbatch) + " " + what + " " + got.str() +
+                                                (source.empty() ? "" : " " + source) + " but expects " + want.str() +
+                                                " (its " + given_as + ")");
 }
 
 }  // namespace torchpp::runtime

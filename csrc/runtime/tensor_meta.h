@@ -46,6 +46,13 @@ struct MessageMeta {
   bool operator!=(const MessageMeta& other) const { return !(*this == other); }
 };
 
+// Raises PipelineShapeError unless `got` matches `want` (a user's input_args/output_args) in
+// count, dtypes and every dimension but the batch one (an uneven last microbatch may be
+// smaller). `what`: "received", "returned"; `source`: e.g. "from stage 2", may be empty;
+// `given_as`: the argument `want` came from.
+void check_expected(const MessageMeta& got, const MessageMeta& want, int64_t stage, int64_t microbatch,
+                    const std::string& what, const std::string& source, const std::string& given_as);
+
 constexpr int64_t kMaxDims = 14;
 constexpr int64_t kMaxMessageTensors = 8;
 constexpr int64_t kTensorSlots = 2 + kMaxDims;

@@ -58,7 +58,8 @@ def _scenario(kind):
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
     first, last = nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)
-    input_args = None
+    input_args = output_args = None  # given to rank 1's stage, or to rank 0's for output_args_of_first
+    loss_fn = nn.functional.mse_loss
     name, m, steps = "1f1b", M, 1
     if kind == "shape_mismatch":
         input_args = torch.empty(BATCH // M, FEATURES + 3, device="meta")
@@ -68,6 +69,12 @@ def _scenario(kind):
         first = ReturnsTupleWithString()
     elif kind == "arity_mismatch":  # rank 1 expects a pair, stage 0 sends one tensor
         input_args = (torch.empty(BATCH // M, FEATURES, device="meta"), torch.empty(BATCH // M, device="meta"))
+    elif kind == "output_args_of_first":  # stage 0 returns [2, 8] against its output_args' [2, 9]
+        output_args = torch.empty(BATCH // M, FEATURES + 1, device="meta")
+    elif kind in ("output_args_of_last", "output_args_of_scripted_last"):  # checked before the loss
+        output_args = torch.empty(BATCH // M, FEATURES, dtype=torch.float64, device="meta")
+        if kind == "output_args_of_scripted_last":  # checked in C++, by the TorchScript stages
+            last, loss_fn = torch.jit.script(last), torch.jit.script(nn.MSELoss())
     elif kind == "m_too_small":
         name, m = "dualpipe", 2
     elif kind in ("raises_in_forward", "raises_in_eval"):
@@ -75,7 +82,9 @@ def _scenario(kind):
     elif kind == "shape_changes_inside_step":
         first, steps = GrowsInSecondStep(when=M + 2), 2
     module = first if rank == 0 else last
-    stages = PipelineStage(module, rank, 2, "cpu", group=group, input_args=input_args if rank == 1 else None)
+    owner = 0 if kind == "output_args_of_first" else 1
+    stages = PipelineStage(module, rank, 2, "cpu", input_args if rank == 1 else None,
+                           output_args if rank == owner else None, group=group)
     if name == "dualpipe":
         stages = [stages, PipelineStage(last if rank == 0 else first, 1 - rank, 2, "cpu", group=group)]
     x, y = torch.randn(BATCH, FEATURES), torch.randn(BATCH, FEATURES)
@@ -85,7 +94,9 @@ def _scenario(kind):
         y = None
     start = time.monotonic()
     try:
-        sched = build_schedule(name, stages, m, loss_fn=nn.functional.mse_loss)
+        sched = build_schedule(name, stages, m, loss_fn=loss_fn)
+        if kind == "output_args_of_scripted_last" and rank == 1:
+            assert sched.torchscript_stages, "the scenario did not reach the TorchScript path"
         evaluates = kind == "raises_in_eval" or (kind == "step_against_eval" and rank == 1)
         run = sched.eval if evaluates else sched.step
         for _ in range(steps):
@@ -105,6 +116,12 @@ EXPECTED = {
     "non_tensor": ("PipelineError", ["stage 0 returned a dict", "must return a Tensor or a tuple of Tensors"]),
     "tuple_with_non_tensor": ("PipelineError", ["stage 0 returned a tuple holding a str"]),
     "arity_mismatch": ("PipelineShapeError", ["stage 1 microbatch 0", "[2, 8]", "([2, 8] Float, [2] Float)"]),
+    "output_args_of_first": ("PipelineShapeError", ["stage 0 microbatch 0 returned [2, 8] Float",
+                                                    "expects [2, 9] Float (its output_args)"]),
+    "output_args_of_last": ("PipelineShapeError", ["stage 1 microbatch 0 returned [2, 8] Float",
+                                                   "expects [2, 8] Double (its output_args)"]),
+    "output_args_of_scripted_last": ("PipelineShapeError", ["stage 1 microbatch 0 returned [2, 8] Float",
+                                                            "expects [2, 8] Double (its output_args)"]),
     "m_too_small": ("ValueError", ["dualpipe", "m"]),
     "raises_in_forward": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),
     "raises_in_eval": ("PipelineError", ["boom", "rank 1 failed at action 1F2"]),

@@ -49,24 +49,121 @@ def user_program(pp, class_name, blocks, group, x, y):
     return mine, losses
 
 
-def _check(class_name, pp_group):
+class HeldLinear(torch.autograd.Function):
+    """x @ w.T whose backward returns the input gradient only and queues the weight gradient for
+    the stage's dw_builder runner: the pattern torch's ``dw_builder`` serves."""
+
+    @staticmethod
+    def forward(ctx, x, weight, queue):
+        ctx.save_for_backward(x, weight)
+        ctx.queue = queue
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+
+        def weight_grad():
+            g = grad.t() @ x
+            weight.grad = g if weight.grad is None else weight.grad + g
+
+        ctx.queue.append(weight_grad)
+        EVENTS.append(("I", id(ctx.queue)))
+        return grad @ weight, None, None
+
+
+# This rank's backwards ("I") and runners ("W") in order, each with its block's id.
+EVENTS = []
+
+
+class HeldBlock(nn.Module):
+    """A block whose weight gradient arrives only through its stage's dw_builder runner."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(FEATURES, FEATURES) / FEATURES)
+        self.queue = []
+
+    def forward(self, x):
+        return x + torch.tanh(HeldLinear.apply(x, self.weight, self.queue))
+
+    def dw_builder(self):
+        """torch's contract: called after a backward; the runner it returns completes it."""
+        pending = list(self.queue)
+        self.queue.clear()
+
+        def runner():
+            EVENTS.append(("W", id(self.queue)))
+            for work in pending:
+                work()
+
+        return runner
+
+
+def scaled_mse(output, target, scale=1.0):
+    return scale * F.mse_loss(output, target)
+
+
+# The arguments of torch 2.13's API beyond the basics: example args in their positions,
+# dw_builder and loss_kwargs.
+FULL_API = ["Schedule1F1B", "ScheduleZBVZeroBubble"]
+LOSS_KWARGS = {"scale": 0.75}
+
+
+def full_api_program(pp, class_name, blocks, group, x, y):
+    per_rank, place = CLASSES[class_name]
+    rank, p = dist.get_rank(group), group.size()
+    count, mine = per_rank * p, place(rank, p)
+    example = torch.empty(BATCH // M, FEATURES, dtype=torch.float64)
+    received = example.clone().requires_grad_()  # torch reads requires_grad from input examples
+    # Every example, in torch's positions; no gradient reaches the last stage's output or
+    # leaves the first stage's input.
+    stages = [pp.PipelineStage(blocks[k], k, count, torch.device("cpu"), example if k == 0 else received, example,
+                               None if k == count - 1 else example, None if k == 0 else example,
+                               group, blocks[k].dw_builder) for k in mine]
+    sched = getattr(pp, class_name)(stages[0] if per_rank == 1 else stages, M, scaled_mse)
+    losses = []
+    sched.step(*([x] if 0 in mine else []), target=y if count - 1 in mine else None, losses=losses,
+               loss_kwargs=LOSS_KWARGS)
+    return mine, losses
+
+
+def _check(class_name, pp_group, full_api=False):
     torch.manual_seed(0)
-    blocks = [Block().double() for _ in range(CLASSES[class_name][0] * pp_group.size())]
+    blocks = [(HeldBlock if full_api else Block)().double() for _ in range(CLASSES[class_name][0] * pp_group.size())]
     theirs, ours, reference = copy.deepcopy(blocks), copy.deepcopy(blocks), nn.Sequential(*copy.deepcopy(blocks))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(BATCH, FEATURES, generator=g, dtype=torch.float64)
     y = torch.randn(BATCH, FEATURES, generator=g, dtype=torch.float64)
-    mine, torch_losses = user_program(torch_pp, class_name, theirs, pp_group, x, y)
-    _, our_losses = user_program(torchpp_pp, class_name, ours, pp_group, x, y)
-    F.mse_loss(reference(x), y).backward()
+    program = full_api_program if full_api else user_program
+    EVENTS.clear()
+    mine, torch_losses = program(torch_pp, class_name, theirs, pp_group, x, y)
+    torch_events = EVENTS[:]
+    EVENTS.clear()
+    _, our_losses = program(torchpp_pp, class_name, ours, pp_group, x, y)
+    our_events = EVENTS[:]
+    if full_api:
+        scaled_mse(reference(x), y, **LOSS_KWARGS).backward()
+        for block in reference:
+            block.dw_builder()()
+        # A runner per microbatch and stage. torchpp runs it at once after a full backward (1F1B)
+        # and at the microbatch's W under zero bubble, other backwards coming in between (torch
+        # 2.13 runs ZB-V's at once too).
+        for events in (our_events, torch_events):
+            kinds = "".join(kind for kind, _ in events)
+            assert kinds.count("I") == kinds.count("W") == M * len(mine), kinds
+        at_once = all(our_events[i + 1] == ("W", block) for i, (kind, block) in enumerate(our_events) if kind == "I")
+        assert at_once == (class_name == "Schedule1F1B"), our_events
+    else:
+        F.mse_loss(reference(x), y).backward()
     assert len(our_losses) == len(torch_losses)
     for a, b in zip(our_losses, torch_losses):
         torch.testing.assert_close(a, b, **TOL)
     for k in mine:
         for (name, want), got, torch_got in zip(reference[k].named_parameters(), ours[k].parameters(),
                                                 theirs[k].parameters()):
-            torch.testing.assert_close(got.grad, torch_got.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs torch: {m}")
             torch.testing.assert_close(got.grad, want.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs 1 process: {m}")
+            torch.testing.assert_close(got.grad, torch_got.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs torch: {m}")
     return len(our_losses)
 
 
@@ -83,6 +180,54 @@ def test_torch_program_runs_unchanged_with_torchpp_imports(results, index):
     assert sum(per_rank) == M  # every microbatch's loss came back, on the ranks holding last stages
 
 
+@pytest.fixture(scope="module")
+def full_api_results(ranks):
+    return ranks(2).run(run_configs, [dict(class_name=n, full_api=True) for n in FULL_API], _check, timeout=180)
+
+
+@pytest.mark.parametrize("index", range(len(FULL_API)), ids=FULL_API)
+def test_example_args_dw_builder_and_loss_kwargs_as_in_torch(full_api_results, index):
+    per_rank = [r[index] for r in full_api_results]
+    errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if isinstance(r, dict)]
+    assert not errors, "\n".join(errors)
+    assert sum(per_rank) == M
+
+
 def test_unsupported_torch_arguments_are_named():
     with pytest.raises(ValueError, match="args_chunk_spec"):
         torchpp_pp.Schedule1F1B(None, M, args_chunk_spec=(object(),))
+
+
+@pytest.mark.parametrize("name", ["PipelineStage"] + list(CLASSES))
+def test_torch_parameters_in_torch_order(name):
+    """Every parameter of torch's constructor, in the same position, so that positional calls
+    migrate too; torchpp's own options come after them."""
+    import inspect
+
+    theirs = list(inspect.signature(getattr(torch_pp, name).__init__).parameters)
+    ours = list(inspect.signature(getattr(torchpp_pp, name).__init__).parameters)
+    assert ours[: len(theirs)] == theirs
+
+
+@pytest.mark.parametrize("method", ["step", "eval"])
+def test_schedule_call_takes_torch_keywords(method):
+    import inspect
+
+    theirs = inspect.signature(getattr(torch_pp.Schedule1F1B, method)).parameters
+    ours = inspect.signature(getattr(torchpp_pp.PipelineSchedule, method)).parameters
+    assert set(theirs) <= set(ours)
+
+
+def test_stage_arguments_torchpp_cannot_honour_are_named():
+    example = torch.empty(2, FEATURES)
+    make = torchpp_pp.PipelineStage
+    with pytest.raises(ValueError, match="get_mesh=.*DTensor"):
+        make(Block(), 0, 2, "cpu", get_mesh=lambda *a: None)
+    with pytest.raises(ValueError, match=r"input_grads\[0\] is \[2, 3\] torch.float32 but input_args\[0\] is \[2, 6\]"):
+        make(Block(), 0, 2, "cpu", example, input_grads=torch.empty(2, 3))
+    with pytest.raises(ValueError, match="output_grads has 2 entries but output_args has 1"):
+        make(Block(), 0, 2, "cpu", output_args=example, output_grads=(example, None))
+    with pytest.raises(TypeError, match="output_args must be a tensor or a tuple of tensors, got 'x'"):
+        make(Block(), 0, 2, "cpu", output_args="x")
+    with pytest.raises(ValueError, match="backward_requires_autograd=False"):
+        torchpp_pp.ScheduleZBVZeroBubble([], M, backward_requires_autograd=False)

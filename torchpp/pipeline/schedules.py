@@ -71,6 +71,7 @@ class PipelineSchedule:
         self._weights: List[float] = []
         self._losses: Dict[int, torch.Tensor] = {}
         self._outputs: Dict[int, torch.Tensor] = {}
+        self._loss_kwargs: dict = {}
 
     def _make_executor(self, lowered: "S.Schedule"):
         """The C++ executor of this rank's actions in ``lowered``."""
@@ -89,8 +90,11 @@ class PipelineSchedule:
             in_order=self.in_order_p2p,
             abort_groups=groups,
             device=self.device,
-            expected_inputs={s: st.input_tensors for s, st in self._stage_of.items() if st.input_args is not None},
+            expected_inputs={s: st.input_tensors for s, st in self._stage_of.items() if st.input_tensors},
+            expected_outputs={s: st.output_tensors for s, st in self._stage_of.items() if st.output_tensors},
+            backward_hooked_stages={s for s, st in self._stage_of.items() if st.dw_builder is not None},
             forward=None if self._script is not None else self._forward,
+            after_backward=self._after_backward,
             script=self._script,
         )
 
@@ -117,12 +121,15 @@ class PipelineSchedule:
 
     def _script_stages(self, loss_fn, scale_grads: bool, spp: int):
         """TorchScript stages (and loss) run from C++ without entering Python; None otherwise."""
-        scripted = all(isinstance(st.submod, torch.jit.ScriptModule) for st in self._stage_of.values())
+        scripted = all(isinstance(st.submod, torch.jit.ScriptModule) and st.dw_builder is None
+                       for st in self._stage_of.values())
         loss_ok = not self._has_last or loss_fn is None or isinstance(loss_fn, torch.jit.ScriptModule)
         if not (scripted and loss_ok):
             return None
         modules = {s: st.submod for s, st in self._stage_of.items()}
-        return _C.ScriptStages(modules, loss_fn if self._has_last else None, spp, scale_grads)
+        return _C.ScriptStages(modules, loss_fn if self._has_last else None, spp, scale_grads,
+                               expected_outputs={s: st.output_tensors for s, st in self._stage_of.items()
+                                                 if st.output_tensors and s % spp == spp - 1})
 
     @property
     def torchscript_stages(self) -> bool:
@@ -145,10 +152,16 @@ class PipelineSchedule:
                 f"stage {stage} returned a {type(output).__name__} for microbatch {microbatch}; "
                 f"a pipeline stage must return a Tensor or a tuple of Tensors"
             )
+        expected = self._stage_of[stage].output_tensors
+        if expected:
+            _C.check_stage_output(stage, microbatch, [output] if isinstance(output, torch.Tensor) else output, expected)
         if self.loss_fn is not None and self._targets is None:  # eval() without target: outputs only
             self._outputs[microbatch] = _detached(output)
             return output
-        loss = output if self.loss_fn is None else self.loss_fn(output, self._targets[microbatch])
+        if self.loss_fn is None:
+            loss = output
+        else:
+            loss = self.loss_fn(output, self._targets[microbatch], **self._loss_kwargs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"the loss of microbatch {microbatch} must be a one-element tensor, got {loss!r}")
         self._losses[microbatch] = loss.detach()
@@ -156,8 +169,16 @@ class PipelineSchedule:
         # Weighted by the microbatch's share of the batch, the summed gradients are the batch's.
         return loss * self._weights[microbatch] if self.scale_grads else loss
 
+    def _after_backward(self, stage: int, microbatch: int, split: bool) -> None:
+        """The executor's hook after the backward of a stage with a ``dw_builder`` (torch's rule)."""
+        runner = self._stage_of[stage].dw_builder()
+        if not split:
+            runner()
+        elif not _C.wgrad_defer(runner):  # the executor captures during an I pass: cannot happen
+            raise RuntimeError(f"torchpp pipeline: no weight-gradient capture for stage {stage} microbatch {microbatch}")
+
     def step(self, *args, target: Optional[torch.Tensor] = None, losses: Optional[list] = None,
-             return_outputs: bool = True, **kwargs) -> Optional[StageOutput]:
+             return_outputs: bool = True, loss_kwargs: Optional[dict] = None, **kwargs) -> Optional[StageOutput]:
         """Runs forward and backward of one batch over the pipeline; gradients accumulate in .grad.
 
         Args:
@@ -168,18 +189,22 @@ class PipelineSchedule:
             target: the batch's target on ranks that hold a last stage (passed to loss_fn).
             losses: if a list, this rank's per-microbatch losses (unscaled) are appended.
             return_outputs: False returns None everywhere (the outputs are not concatenated).
+            loss_kwargs: further keyword arguments of every microbatch's ``loss_fn`` call.
 
         Returns:
             On ranks holding a last stage, the outputs of its microbatches concatenated along
             dim 0 (a tuple of such, if the last stage returns a tuple); None elsewhere.
         """
-        output = self._run("train", self._executor, args, kwargs, target, losses, return_outputs)
+        if not torch.is_grad_enabled():
+            raise RuntimeError("torchpp pipeline: step() runs a backward and cannot run under torch.no_grad(); "
+                               "call eval() for a forward-only pass")
+        output = self._run("train", self._executor, args, kwargs, target, losses, return_outputs, loss_kwargs)
         if self.schedule.num_pipelines == 2:
             self._sum_twin_gradients()
         return output
 
     def eval(self, *args, target: Optional[torch.Tensor] = None, losses: Optional[list] = None,
-             return_outputs: bool = True, **kwargs) -> Optional[StageOutput]:
+             return_outputs: bool = True, loss_kwargs: Optional[dict] = None, **kwargs) -> Optional[StageOutput]:
         """Runs the forward of one batch over the pipeline, without autograd: each rank's forward
         passes in the schedule's order (``Schedule.forward_only``), nothing kept for a backward,
         no gradient touched. Arguments and result as ``step``; without ``target`` the last
@@ -187,10 +212,12 @@ class PipelineSchedule:
         """
         if self._eval_executor is None:
             self._eval_executor = self._make_executor(self.schedule.forward_only().lowered(in_order=self.in_order_p2p))
-        return self._run("eval", self._eval_executor, args, kwargs, target, losses, return_outputs)
+        return self._run("eval", self._eval_executor, args, kwargs, target, losses, return_outputs, loss_kwargs)
 
-    def _run(self, kind: str, executor, args, kwargs, target, losses, return_outputs) -> Optional[StageOutput]:
+    def _run(self, kind: str, executor, args, kwargs, target, losses, return_outputs,
+             loss_kwargs) -> Optional[StageOutput]:
         """Splits the batch into microbatches and runs ``executor``'s step over them."""
+        self._loss_kwargs = dict(loss_kwargs or {})
         try:
             changed = self._prepare(kind, args, kwargs, target)
         except Exception as error:
@@ -228,6 +255,9 @@ class PipelineSchedule:
         if self._script is not None and (len(args) > 1 or kwargs):
             raise TypeError("torchpp pipeline: TorchScript stages take the batch tensor alone; got "
                             f"{len(args) - 1} more positional and {sorted(kwargs)} keyword arguments")
+        if self._script is not None and self._has_last and self._loss_kwargs:
+            raise TypeError(f"torchpp pipeline: a TorchScript loss_fn takes (output, target) alone; got loss_kwargs "
+                            f"{sorted(self._loss_kwargs)}")
         self._inputs = split_microbatches(x, m) if self._has_first else None
         self._arguments = split_arguments(args[1:], kwargs, m) if self._has_first else None
         self._targets = split_microbatches(target, m) if self._has_last and target is not None else None

@@ -1,7 +1,7 @@
 """PipelineStage: one model stage placed on this rank (mirrors torch.distributed.pipelining)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -10,8 +10,34 @@ from torch import nn
 from torchpp import ops
 
 
+def _examples(stage_index: int, name: str, value, allow_none: bool = False) -> Optional[List[Optional[torch.Tensor]]]:
+    """A tensor or a tuple of them (entries may be None where ``allow_none``) as a list."""
+    if value is None:
+        return None
+    entries = [value] if isinstance(value, torch.Tensor) else list(value) if isinstance(value, (tuple, list)) else None
+    if not entries or not all(isinstance(t, torch.Tensor) or (allow_none and t is None) for t in entries):
+        raise TypeError(f"torchpp.PipelineStage {stage_index}: {name} must be a tensor or a tuple of tensors"
+                        f"{' (or None)' if allow_none else ''}, got {value!r}")
+    return entries
+
+
+def _check_gradient_examples(stage_index: int, name: str, grads, args_name: str, args) -> None:
+    """A gradient travels with its tensor's dtype and shape; an example that says otherwise is wrong."""
+    if grads is None or args is None:
+        return
+    if len(grads) != len(args):
+        raise ValueError(f"torchpp.PipelineStage {stage_index}: {name} has {len(grads)} entries but {args_name} "
+                         f"has {len(args)}; give one per tensor, None where no gradient travels")
+    for k, (grad, arg) in enumerate(zip(grads, args)):
+        if grad is not None and (grad.dtype != arg.dtype or grad.shape[1:] != arg.shape[1:]):
+            raise ValueError(f"torchpp.PipelineStage {stage_index}: {name}[{k}] is {list(grad.shape)} {grad.dtype} "
+                             f"but {args_name}[{k}] is {list(arg.shape)} {arg.dtype}; a gradient has the dtype "
+                             f"and shape of its tensor")
+
+
 class PipelineStage:
-    """A stage module and where it sits in the pipeline.
+    """A stage module and where it sits in the pipeline; torch.distributed.pipelining's
+    arguments, in its order, and ``tp_group``.
 
     Args:
         submodule: the stage's module. The first stage's takes the microbatch (and any further
@@ -22,12 +48,24 @@ class PipelineStage:
         stage_index: index of this model stage (0-based).
         num_stages: number of model stages.
         device: device of the stage's parameters and messages.
-        group: the pipeline-parallel ProcessGroup (or its name; None: the default group).
         input_args: optional example of one microbatch's input (a tensor or a tuple of them,
             may be on the meta device); a received input whose count, dtypes or non-batch
-            dimensions differ raises PipelineShapeError, naming both. Shapes travel between
-            stages with or without it (in the first step and when they change), since a
-            microbatch's batch size depends on the split.
+            dimensions differ raises PipelineShapeError on every rank, naming both. Shapes
+            travel between stages with or without it (in the first step and when they change),
+            since a microbatch's batch size depends on the split.
+        output_args: the same for what the stage returns (before the loss, on a last stage).
+        output_grads, input_grads: examples of the gradients of the outputs and inputs (None
+            where none travels). A torchpp gradient always has its tensor's dtype and shape (no
+            DTensor layouts), so these only add a check, against output_args and input_args.
+        group: the pipeline-parallel ProcessGroup (or its name; None: the default group).
+        dw_builder: as in torch: a callable returning a runner of deferred weight gradients.
+            Under split-backward schedules (zb-*, ZB-V, DualPipe) it is called right after each
+            microbatch's I pass (a full autograd backward, in which the stage's own layers may
+            hold their weight gradients back) and the runner it returns is called at that
+            microbatch's W; after a full backward (B) the runner is called at once. torchpp's
+            split-B/W linears need none: they defer by themselves.
+        get_mesh: must be None: it serves torch's DTensor messages, which torchpp does not carry
+            (tensor parallelism goes through torchpp.tp's layers and plain tensors).
         tp_group: the tensor-parallel group of this stage (scatter/gather P2P uses it).
     """
 
@@ -37,19 +75,31 @@ class PipelineStage:
         stage_index: int,
         num_stages: int,
         device: torch.device,
-        group: ops.GroupLike = None,
         input_args: Optional[Union[torch.Tensor, Tuple[torch.Tensor, ...]]] = None,
+        output_args: Optional[Union[torch.Tensor, Tuple[torch.Tensor, ...]]] = None,
+        output_grads: Optional[Union[torch.Tensor, Tuple[Optional[torch.Tensor], ...]]] = None,
+        input_grads: Optional[Union[torch.Tensor, Tuple[Optional[torch.Tensor], ...]]] = None,
+        group: ops.GroupLike = None,
+        dw_builder: Optional[Callable[[], Callable[[], None]]] = None,
+        get_mesh=None,
+        *,
         tp_group: ops.GroupLike = None,
     ):
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"torchpp.PipelineStage: stage_index {stage_index} outside [0, {num_stages})")
-        self.input_tensors = None  # input_args as a list
-        if input_args is not None:
-            tensors = (input_args,) if isinstance(input_args, torch.Tensor) else tuple(input_args)
-            if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-                raise TypeError("torchpp.PipelineStage: input_args must be a tensor or a tuple of tensors, got "
-                                f"{input_args!r}")
-            self.input_tensors = list(tensors)
+        if get_mesh is not None:
+            raise ValueError(f"torchpp.PipelineStage {stage_index}: get_mesh={get_mesh!r} serves DTensor messages, "
+                             "which torchpp does not carry; stages exchange plain tensors (use torchpp.tp's "
+                             "layers for tensor parallelism)")
+        if dw_builder is not None and not callable(dw_builder):
+            raise TypeError(f"torchpp.PipelineStage {stage_index}: dw_builder must be callable, got {dw_builder!r}")
+        self.input_tensors = _examples(stage_index, "input_args", input_args)  # input_args as a list
+        self.output_tensors = _examples(stage_index, "output_args", output_args)
+        _check_gradient_examples(stage_index, "input_grads", _examples(stage_index, "input_grads", input_grads, True),
+                                 "input_args", self.input_tensors)
+        _check_gradient_examples(stage_index, "output_grads",
+                                 _examples(stage_index, "output_grads", output_grads, True), "output_args",
+                                 self.output_tensors)
         self.submod = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -58,6 +108,8 @@ class PipelineStage:
         self.group_rank = dist.get_rank(self.group)
         self.group_size = self.group.size()
         self.input_args = input_args
+        self.output_args = output_args
+        self.dw_builder = dw_builder
         self.tp_group = ops.group_of(tp_group) if tp_group is not None else None
 
     @property

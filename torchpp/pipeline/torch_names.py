@@ -23,8 +23,12 @@ class _TorchNamedSchedule(PipelineSchedule):
 
     def __init__(self, stages: Union[PipelineStage, Sequence[PipelineStage]], n_microbatches: int,
                  loss_fn: Optional[Callable] = None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads: bool = True, *, scatter_gather: bool = True,
-                 in_order_p2p: Optional[bool] = None, **schedule_options):
+                 output_merge_spec=None, scale_grads: bool = True, backward_requires_autograd: bool = True,
+                 defer_pp_recv: bool = False, *, scatter_gather: bool = True, in_order_p2p: Optional[bool] = None,
+                 **schedule_options):
+        """torch's arguments, in its order (the multi-stage classes' last two included: the
+        receives' timing is the lowering's, so ``defer_pp_recv`` changes nothing here), then
+        build_schedule's keyword options."""
         given = {"args_chunk_spec": args_chunk_spec, "kwargs_chunk_spec": kwargs_chunk_spec,
                  "output_merge_spec": output_merge_spec}
         for arg, value in given.items():
@@ -33,6 +37,9 @@ class _TorchNamedSchedule(PipelineSchedule):
                     f"torchpp pipeline: {type(self).__name__}({arg}={value!r}) is not supported: torchpp "
                     f"splits every tensor argument along dim 0 and concatenates outputs along dim 0"
                 )
+        if not backward_requires_autograd:
+            raise ValueError(f"torchpp pipeline: {type(self).__name__}(backward_requires_autograd=False) is not "
+                             "supported: torchpp's I and B passes run autograd")
         unknown = sorted(set(schedule_options) - set(_SCHEDULE_OPTIONS))
         if unknown:
             raise TypeError(f"torchpp pipeline: {type(self).__name__} got unexpected keyword arguments {unknown}")
@@ -40,12 +47,21 @@ class _TorchNamedSchedule(PipelineSchedule):
         super().__init__(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p)
 
 
-class ScheduleGPipe(_TorchNamedSchedule):
+class _SingleStageSchedule(_TorchNamedSchedule):
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Optional[Callable] = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
+                 **options):
+        """torch's order for one stage per rank (named ``stage``)."""
+        super().__init__(stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, **options)
+
+
+class ScheduleGPipe(_SingleStageSchedule):
     """All forwards, then all backwards ("gpipe")."""
     schedule_name = "gpipe"
 
 
-class Schedule1F1B(_TorchNamedSchedule):
+class Schedule1F1B(_SingleStageSchedule):
     """One forward, one backward in the steady state ("1f1b")."""
     schedule_name = "1f1b"
 
@@ -58,6 +74,14 @@ class ScheduleInterleaved1F1B(_TorchNamedSchedule):
 class ScheduleLoopedBFS(_TorchNamedSchedule):
     """Breadth-first over the stages of a rank ("looped-bfs")."""
     schedule_name = "looped-bfs"
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: Optional[Callable] = None,
+                 output_merge_spec=None, scale_grads: bool = True, backward_requires_autograd: bool = True,
+                 defer_pp_recv: bool = False, **options):
+        """torch's order: this class alone takes no chunk specs."""
+        super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv, **options)
 
 
 class ScheduleZBVZeroBubble(_TorchNamedSchedule):
