@@ -34,14 +34,17 @@ def build_pipeline(name, dtype, m, pp_group, tp_group, scatter_gather, in_order_
     (same initialisation) as the reference."""
     p = dist.get_world_size(pp_group)
     pp_rank = dist.get_rank(pp_group)
-    probe = S.generate(name, num_ranks=p, num_microbatches=m)
+    # A name of the compiler, or the path of a schedule in torch's CSV format (run as given).
+    given = S.from_csv(name, num_ranks=p, num_microbatches=m) if name.endswith(".csv") else None
+    probe = given if given is not None else S.generate(name, num_ranks=p, num_microbatches=m)
     model_stages = probe.num_stages // probe.num_pipelines
     model = make_model(model_stages, dtype, tp_group=tp_group)
     reference = make_model(model_stages, dtype)
     parts = split_model(model, model_stages, stage_split_points(model_stages, model_stages))
     mine = sorted({probe.model_stage(s) for s, r in enumerate(probe.stage_to_rank) if r == pp_rank})
     stages = [PipelineStage(parts[k], k, model_stages, "cpu", group=pp_group, tp_group=tp_group) for k in mine]
-    sched = build_schedule(name, stages, m, loss_fn=lm_loss, scatter_gather=scatter_gather, in_order_p2p=in_order_p2p)
+    sched = build_schedule(name if given is None else given, stages, m, loss_fn=lm_loss, scatter_gather=scatter_gather,
+                           in_order_p2p=in_order_p2p)
     params = [prm for st in stages for prm in st.submod.parameters()]
     return SimpleNamespace(probe=probe, model=model, reference=reference, sched=sched, params=params)
 

@@ -306,7 +306,7 @@ class PipelineSchedule:
 
 
 def build_schedule(
-    name: str,
+    name: Union[str, "S.Schedule"],
     stages: Union[PipelineStage, Sequence[PipelineStage]],
     n_microbatches: int,
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
@@ -321,7 +321,10 @@ def build_schedule(
     """Compiles schedule ``name`` for this rank's stages.
 
     Args:
-        name: any name of ``torchpp.schedule.SCHEDULES`` ("1f1b", "zb-h1", "interleaved-1f1b", ...).
+        name: any name of ``torchpp.schedule.SCHEDULES`` ("1f1b", "zb-h1", "interleaved-1f1b", ...),
+            or a ``torchpp.schedule.Schedule`` of one's own (e.g. ``torchpp.schedule.from_csv``,
+            torch's CSV format), run as given: its compute actions in its order, lowered by
+            torchpp (SEND/RECV actions it may hold are replaced).
         stages: this rank's PipelineStage, or a list of them for schedules with several stages
             per rank (interleaved: model stages c*p+r; V shapes: r and 2p-1-r; DualPipe: model
             stages r and p-1-r, each a separate copy of its parameters initialised identically).
@@ -343,19 +346,37 @@ def build_schedule(
     return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p)
 
 
-def compile_for_stages(name: str, stages: Union[PipelineStage, Sequence[PipelineStage]], n_microbatches: int,
-                       **options) -> Tuple["S.Schedule", List[PipelineStage]]:
-    """The compiled schedule ``name`` for the pipeline group of ``stages`` (this rank's), and the
-    stages as a list. ``options``: passed to ``torchpp.schedule.generate``."""
+def compile_for_stages(name: Union[str, "S.Schedule"], stages: Union[PipelineStage, Sequence[PipelineStage]],
+                       n_microbatches: int, **options) -> Tuple["S.Schedule", List[PipelineStage]]:
+    """The schedule ``name`` (compiled, or given) for the pipeline group of ``stages`` (this
+    rank's), and the stages as a list. ``options``: passed to ``torchpp.schedule.generate``."""
     stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
     if not stage_list:
         raise ValueError("torchpp pipeline: build_schedule needs at least one stage")
     groups = {st.group.group_name for st in stage_list}
     if len(groups) != 1:
         raise ValueError("torchpp pipeline: all stages of a rank must share one pipeline group")
+    if isinstance(name, S.Schedule):
+        return _given_schedule(name, stage_list[0].group_size, n_microbatches, options), stage_list
     chunks = len(stage_list)
     if name in ("dualpipe",):
         chunks = None  # two copies of one stage per rank, not two chunks
     schedule = S.generate(name, num_ranks=stage_list[0].group_size, num_microbatches=n_microbatches,
                           num_chunks=chunks, **options)
     return schedule, stage_list
+
+
+def _given_schedule(schedule: "S.Schedule", group_size: int, n_microbatches: int, options: dict) -> "S.Schedule":
+    """A user's schedule, checked against the pipeline group and the step; compute actions only."""
+    given = sorted(k for k, v in options.items() if v is not None)
+    if given:
+        raise TypeError(f"torchpp pipeline: {given} shape a generated schedule; {schedule!r} is given as is")
+    if schedule.num_ranks != group_size:
+        raise ValueError(f"torchpp pipeline: {schedule!r} is for {schedule.num_ranks} ranks but the pipeline group "
+                         f"has {group_size}")
+    if schedule.num_microbatches != n_microbatches:
+        raise ValueError(f"torchpp pipeline: {schedule!r} runs {schedule.num_microbatches} microbatches but "
+                         f"n_microbatches={n_microbatches}")
+    schedule = schedule.compute_only() if schedule.is_lowered else schedule
+    schedule.validate()
+    return schedule
