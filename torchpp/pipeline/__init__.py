@@ -26,8 +26,11 @@ from torchpp.pipeline.torch_names import (
     ScheduleZBVZeroBubble,
 )
 from torchpp.pipeline.trace import export_chrome_trace, plot_timeline
+from torchpp.pipeline import tracing
+from torchpp.pipeline.tracing import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 
 __all__ = [
+    "Pipe",
     "PipelineError",
     "PipelineSchedule",
     "PipelineShapeError",
@@ -38,12 +41,17 @@ __all__ = [
     "ScheduleInterleaved1F1B",
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
+    "SplitPoint",
     "StageSequential",
     "SplitBWLinear",
     "build_schedule",
+    "build_stage",
     "export_chrome_trace",
+    "pipe_split",
+    "pipeline",
     "plot_timeline",
     "split_bw_linear",
     "split_model",
+    "tracing",
     "weight_grad_store",
 ]
