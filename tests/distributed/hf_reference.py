@@ -51,9 +51,37 @@ def padded_batch(vocab: int, seed: int = 7):
     return ids, labels, mask
 
 
-def reference_step(model, ids, labels, attention_mask=None):
-    """Unwrapped forward/backward: (logits, loss, {hf name: grad}) incl. tied aliases."""
-    out = model(input_ids=ids, labels=labels, attention_mask=attention_mask)
+def packed_batch(vocab: int, seed: int = 7):
+    """Packed sequences: position ids that restart within a row (row 0 holds sequences of 3 and
+    5 tokens, row 2 of 2, 3 and 3), and row 3 a continuation (positions 3..10, one sequence);
+    (ids, labels, position_ids)."""
+    ids, labels = batch(vocab, seed)
+    positions = torch.arange(SEQ).repeat(BATCH, 1)
+    positions[0] = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4])
+    positions[2] = torch.tensor([0, 1, 0, 1, 2, 0, 1, 2])
+    positions[3] += 3
+    return ids, labels, positions
+
+
+def inputs_of(kind: str, vocab: int):
+    """(ids, labels, attention_mask, position_ids) of a batch kind: "plain", "padded" (see
+    padded_batch), "packed" (see packed_batch), or "padded_positions" (padded, with positions
+    counting real tokens only, as generation code makes them for left padding)."""
+    if kind == "packed":
+        ids, labels, positions = packed_batch(vocab)
+        return ids, labels, None, positions
+    if kind in ("padded", "padded_positions"):
+        ids, labels, mask = padded_batch(vocab)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0) if kind == "padded_positions" else None
+        return ids, labels, mask, positions
+    return (*batch(vocab), None, None)
+
+
+def reference_step(model, ids, labels, attention_mask=None, position_ids=None):
+    """Unwrapped forward/backward: (logits, loss, {hf name: grad}) incl. tied aliases. Without a
+    cache, as in training: transformers then reads packed sequences from position_ids."""
+    out = model(input_ids=ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False)
     out.loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters(remove_duplicate=False)}
     return out.logits.detach(), out.loss.detach(), grads
@@ -66,17 +94,17 @@ def assert_grads_match(wrapped_grads, reference_grads, what):
         assert_close(grad, reference_grads[name], f"{what} grad of {name}")
 
 
-def check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what, attention_mask=None):
+def check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what, attention_mask=None, position_ids=None):
     """An eval_step, then one step of a parallelized model: both losses (on the last stage) and
     every local gradient equal the reference's, and eval_step leaves no gradient behind;
     returns the HF names this rank holds gradients for."""
-    loss = wrapped.eval_step(ids, labels, attention_mask=attention_mask)
+    loss = wrapped.eval_step(ids, labels, attention_mask=attention_mask, position_ids=position_ids)
     assert all(p.grad is None for p in wrapped.parameters()), f"{what}: eval_step produced gradients"
     if wrapped.has_last_stage:
         assert_close(loss, ref_loss, f"{what} eval loss")
     else:
         assert loss is None
-    loss = wrapped.step(ids, labels, attention_mask=attention_mask)
+    loss = wrapped.step(ids, labels, attention_mask=attention_mask, position_ids=position_ids)
     if wrapped.has_last_stage:
         assert_close(loss, ref_loss, f"{what} loss")
     else:

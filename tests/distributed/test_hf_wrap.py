@@ -9,27 +9,28 @@ import torch.distributed as dist
 import torchpp
 from torchpp.models import parallelize
 from hf_reference import (
-    assert_grads_match, batch, check_wrapped_step, hf_names, padded_batch, reference_step, tiny_model,
+    assert_grads_match, check_wrapped_step, hf_names, inputs_of, reference_step, tiny_model,
 )
 from tp_reference import assert_close
 
 TIMEOUT_S = 150
 
 
-def check_tp_equivalence(kind, sequence_parallel, padded=False):
+def check_tp_equivalence(kind, sequence_parallel, inputs="plain"):
     state = torchpp.init_parallel(tp=2, pp=1)
     model = tiny_model(kind)
     reference = copy.deepcopy(model)
-    ids, labels, mask = padded_batch(model.config.vocab_size) if padded else (*batch(model.config.vocab_size), None)
-    ref_logits, ref_loss, ref_grads = reference_step(reference, ids, labels, mask)
+    ids, labels, mask, positions = inputs_of(inputs, model.config.vocab_size)
+    ref_logits, ref_loss, ref_grads = reference_step(reference, ids, labels, mask, positions)
 
     wrapped = parallelize(model, sequence_parallel=sequence_parallel, state=state)
-    what = f"{kind} tp=2 sp={sequence_parallel} padded={padded}"
-    logits = wrapped(ids, attention_mask=mask)
+    what = f"{kind} tp=2 sp={sequence_parallel} inputs={inputs}"
+    extras = dict(attention_mask=mask, position_ids=positions)
+    logits = wrapped(ids, **extras)
     assert_close(wrapped.gather_logits(logits), ref_logits, f"{what} logits")
-    assert_close(wrapped.eval_step(ids, labels, attention_mask=mask), ref_loss, f"{what} eval loss")
+    assert_close(wrapped.eval_step(ids, labels, **extras), ref_loss, f"{what} eval loss")
     assert all(p.grad is None for p in wrapped.parameters()), f"{what}: eval_step produced gradients"
-    loss = wrapped.step(ids, labels, attention_mask=mask)
+    loss = wrapped.step(ids, labels, **extras)
     assert_close(loss, ref_loss, f"{what} loss")
     grads = wrapped.hf_state_dict(grads=True)
     # Every HF parameter is accounted for (tied lm_head included).
@@ -47,9 +48,15 @@ def check_all_tp():
     check_tp_equivalence("llama", sequence_parallel=True)
     check_tp_equivalence("gpt2", sequence_parallel=True)
     # Padding (right and left): the attention_mask hides padded keys, as in transformers.
-    check_tp_equivalence("llama", sequence_parallel=True, padded=True)
-    check_tp_equivalence("mistral", sequence_parallel=False, padded=True)
-    check_tp_equivalence("gpt2", sequence_parallel=False, padded=True)
+    check_tp_equivalence("llama", sequence_parallel=True, inputs="padded")
+    check_tp_equivalence("mistral", sequence_parallel=False, inputs="padded")
+    check_tp_equivalence("gpt2", sequence_parallel=False, inputs="padded")
+    # Position ids: rotary and learned positions follow them; restarting within a row (no
+    # mask), they pack sequences that attend only to themselves, as in transformers' training.
+    check_tp_equivalence("llama", sequence_parallel=True, inputs="packed")
+    check_tp_equivalence("mistral", sequence_parallel=False, inputs="packed")
+    check_tp_equivalence("gpt2", sequence_parallel=True, inputs="packed")
+    check_tp_equivalence("llama", sequence_parallel=False, inputs="padded_positions")
     return True
 
 
@@ -105,30 +112,36 @@ def check_vocab_padding():
     return True
 
 
-def check_pipeline_equivalence(kind, schedule, recompute, tied, padded=False):
+def check_pipeline_equivalence(kind, schedule, recompute, tied, inputs="plain"):
     state = torchpp.init_parallel(tp=2, pp=2)
     model = tiny_model(kind, tied=tied)
     reference = copy.deepcopy(model)
-    ids, labels, mask = padded_batch(model.config.vocab_size) if padded else (*batch(model.config.vocab_size), None)
-    _, ref_loss, ref_grads = reference_step(reference, ids, labels, mask)
+    ids, labels, mask, positions = inputs_of(inputs, model.config.vocab_size)
+    _, ref_loss, ref_grads = reference_step(reference, ids, labels, mask, positions)
 
     wrapped = parallelize(model, schedule=schedule, n_microbatches=4, recompute=recompute, state=state)
-    what = f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} padded={padded} rank={dist.get_rank()}"
-    return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what, attention_mask=mask)
+    what = f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} inputs={inputs} rank={dist.get_rank()}"
+    return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what, attention_mask=mask,
+                              position_ids=positions)
+
+
+PIPELINES = (
+    ("llama", "1f1b", None, False, "plain"),
+    ("gpt2", "zb-h1", "full", True, "plain"),  # tied embeddings on different ranks, split B/W
+    ("mistral", "interleaved-1f1b", "selective", False, "plain"),
+    ("gpt2", "zb-v", "selective", True, "plain"),  # tied embeddings on the same rank: one copy
+    # Mask, positions and packed segments travel down the pipeline with the hidden states.
+    ("llama", "zb-h1", "full", False, "padded"),
+    ("mistral", "interleaved-1f1b", "selective", False, "padded"),
+    ("llama", "1f1b", None, False, "packed"),
+    ("gpt2", "zb-h1", None, False, "packed"),
+)
 
 
 def check_all_pipelines():
     names = []
-    for kind, schedule, recompute, tied, padded in (
-        ("llama", "1f1b", None, False, False),
-        ("gpt2", "zb-h1", "full", True, False),  # tied embeddings on different ranks, split B/W
-        ("mistral", "interleaved-1f1b", "selective", False, False),
-        ("gpt2", "zb-v", "selective", True, False),  # tied embeddings on the same rank: one copy
-        # The padding mask travels down the pipeline with the hidden states (a tuple message).
-        ("llama", "zb-h1", "full", False, True),
-        ("mistral", "interleaved-1f1b", "selective", False, True),
-    ):
-        names.append(check_pipeline_equivalence(kind, schedule, recompute, tied, padded))
+    for kind, schedule, recompute, tied, inputs in PIPELINES:
+        names.append(check_pipeline_equivalence(kind, schedule, recompute, tied, inputs))
     return names
 
 
@@ -146,7 +159,7 @@ def test_vocab_padding_embedding_and_cross_entropy(ranks):
 
 def test_pp2_tp2_pipeline_matches_unwrapped(ranks):
     per_rank = ranks(4).run(check_all_pipelines, timeout=TIMEOUT_S)
-    models = (("llama", False), ("gpt2", True), ("mistral", False), ("gpt2", True), ("llama", False), ("mistral", False))
+    models = [(kind, tied) for kind, _, _, tied, _ in PIPELINES]
     assert all(len(names) == len(models) for names in per_rank)
     for case, (kind, tied) in enumerate(models):
         covered = set().union(*(set(names[case]) for names in per_rank))

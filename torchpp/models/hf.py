@@ -158,11 +158,12 @@ class ParallelCausalLM(nn.Module):
     def has_last_stage(self) -> bool:
         return any(stage.head is not None for stage in self.stages)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [b, s, padded V / t] of this rank's vocabulary slice (pp=1 only)."""
         if self.schedule is not None:
             raise RuntimeError("torchpp: a pipelined model runs through step(input_ids, labels)")
-        return self.stages[0](input_ids, attention_mask)
+        return self.stages[0](input_ids, attention_mask, position_ids)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """transformers' causal-LM loss of vocab-parallel ``logits`` against ``labels`` [b, s]."""
@@ -176,7 +177,8 @@ class ParallelCausalLM(nn.Module):
         return total / self._batch_tokens * (self._batch_rows / labels.size(0))
 
     def step(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-             losses: Optional[list] = None, attention_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+             losses: Optional[list] = None, attention_mask: Optional[torch.Tensor] = None,
+             position_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Forward and backward of one batch; gradients accumulate in ``.grad`` and are complete
         over TP and tied embeddings on return (data-parallel reduction is separate).
 
@@ -190,35 +192,40 @@ class ParallelCausalLM(nn.Module):
             attention_mask: [b, s], 1 for tokens and 0 for padding, on ranks holding the first
                 stage; it travels down the pipeline with the hidden states. As in
                 transformers, it only hides keys: give padding the label -100.
+            position_ids: [b, s] (or [1, s]) positions, on ranks holding the first stage;
+                default 0..s-1. Without an attention_mask, positions that restart within a
+                row mark packed sequences, each attending only to itself (transformers' rule
+                in training).
 
         Returns:
             The batch's mean loss on ranks holding the last stage, else None.
         """
         if self.schedule is None:
-            loss = self.loss(self(input_ids, attention_mask), labels)
+            loss = self.loss(self(input_ids, attention_mask, position_ids), labels)
             loss.backward()
             if losses is not None:
                 losses.append(loss.detach())
             result = loss.detach()
         else:
-            result = self._pipeline_loss(self.schedule.step, input_ids, labels, losses, attention_mask)
+            result = self._pipeline_loss(self.schedule.step, input_ids, labels, losses, attention_mask, position_ids)
         self.finish_grads()
         return result
 
     def eval_step(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                  losses: Optional[list] = None, attention_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                  losses: Optional[list] = None, attention_mask: Optional[torch.Tensor] = None,
+                  position_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The batch's mean loss without a backward (validation): forward only, over the
         pipeline's ``eval``; no gradient is touched. Arguments and result as ``step``. (Call
         ``model.eval()`` first to turn dropout off, as for any module.)"""
         if self.schedule is not None:
-            return self._pipeline_loss(self.schedule.eval, input_ids, labels, losses, attention_mask)
+            return self._pipeline_loss(self.schedule.eval, input_ids, labels, losses, attention_mask, position_ids)
         with torch.no_grad():
-            loss = self.loss(self(input_ids, attention_mask), labels)
+            loss = self.loss(self(input_ids, attention_mask, position_ids), labels)
         if losses is not None:
             losses.append(loss)
         return loss
 
-    def _pipeline_loss(self, run, input_ids, labels, losses, attention_mask) -> Optional[torch.Tensor]:
+    def _pipeline_loss(self, run, input_ids, labels, losses, attention_mask, position_ids) -> Optional[torch.Tensor]:
         """Runs ``run`` (the schedule's step or eval) over the batch; the batch loss on ranks
         holding the last stage, else None."""
         from torchpp.pipeline.microbatch import loss_weights, split_microbatches
@@ -227,9 +234,15 @@ class ParallelCausalLM(nn.Module):
         if self.has_last_stage and labels is not None:  # missing labels: the schedule raises on every rank
             self._batch_rows = labels.size(0)
             self._batch_tokens = int((shift_labels(labels) != IGNORE_INDEX).sum().clamp(min=1))
-        # The mask is the first stage's second argument, split into microbatches with the ids.
-        first_args = [input_ids] + ([attention_mask] if attention_mask is not None else [])
-        run(*(first_args if self.has_first_stage else []), target=labels if self.has_last_stage else None, losses=mine)
+        # Mask and positions are the first stage's keyword arguments, split into microbatches
+        # with the ids (positions given for one row apply to every row).
+        ids, extras = [], {}
+        if self.has_first_stage:
+            ids = [input_ids]
+            extras = dict(attention_mask=attention_mask,
+                          position_ids=None if position_ids is None else position_ids.expand_as(input_ids))
+            extras = {k: v for k, v in extras.items() if v is not None}
+        run(*ids, **extras, target=labels if self.has_last_stage else None, losses=mine)
         if losses is not None:
             losses.extend(mine)
         if not mine:

@@ -2,9 +2,9 @@
 
 Activations are batch-first, [b, s, h], as in transformers; with sequence parallelism the
 regions outside attention/MLP hold [b, s/t, h] (sequence dim 1). Rotary tables and causal
-masks are computed inside each pipeline stage from the sequence length, so nothing but the
-hidden states travels between stages, and the batch's padding mask [b, s] when one is given
-(a tuple message; it needs no gradient).
+masks are computed inside each pipeline stage, so nothing but the hidden states travels
+between stages; with a padding mask or position ids, those travel too (a tuple message of
+integer tensors, which need no gradient).
 """
 from __future__ import annotations
 
@@ -38,11 +38,22 @@ def sliding_window_mask(seq_len: int, window: int, device) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
+def packed_segments(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Which packed sequence each token belongs to, [b, s], from position ids that restart
+    within a row (transformers' rule: a new sequence wherever a position is not its
+    predecessor's plus one); None when every row holds one sequence."""
+    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
+    segments = (position_ids - previous != 1).cumsum(dim=1)
+    return None if bool((segments[:, -1] == 0).all()) else segments
+
+
 def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
-                   sliding_window: Optional[int], keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   sliding_window: Optional[int], keep: Optional[torch.Tensor] = None,
+                   segments: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this rank's heads: [b, hq, s, d] x [b, hkv, s, d] -> [b, hq, s, d].
     ``keep`` [b, s] (bool) hides the keys of padding tokens, as transformers' attention_mask;
     a query that sees no key at all (left padding) gets zeros, as from SDPA in transformers.
+    ``segments`` [b, s] confines each token to its own packed sequence (``packed_segments``).
 
     The piece selective recompute redoes: it holds the s x s scores and probabilities.
     """
@@ -50,9 +61,13 @@ def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
     mask = None
     if sliding_window is not None and sliding_window < seq_len:
         mask = sliding_window_mask(seq_len, sliding_window, q.device)
-    if keep is not None:
+    if keep is not None or segments is not None:
         causal = mask if mask is not None else torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
-        mask = causal[None, None] & keep[:, None, None, :]
+        mask = causal[None, None]
+        if keep is not None:
+            mask = mask & keep[:, None, None, :]
+        if segments is not None:
+            mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
     p = dropout if training else 0.0
     # Heads are split over TP ranks, so attention dropout draws from the per-TP-rank stream.
     with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
@@ -115,13 +130,14 @@ class ParallelSelfAttention(nn.Module):
     def _heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:  # [b, s, n*d] -> [b, n, s, d]
         return t.view(t.shape[0], t.shape[1], heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope = None, keep: Optional[torch.Tensor] = None,
+                segments: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = self.qkv(x)  # full sequence even under SP: the column layers all-gathered it
         q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
         if self.apply_rope is not None:
             q, k = self.apply_rope(q, k, *rope)
         options = dict(scaling=self.scaling, dropout=self.dropout, training=self.training,
-                       sliding_window=self.sliding_window, keep=keep)
+                       sliding_window=self.sliding_window, keep=keep, segments=segments)
         if self.recompute_core:
             core = recompute.checkpoint(attention_core, q, k, v, **options)
         else:
@@ -176,9 +192,10 @@ class DecoderBlock(nn.Module):
             tp.mark_sequence_parallel(norm1)
             tp.mark_sequence_parallel(norm2)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope = None, keep: Optional[torch.Tensor] = None,
+                segments: Optional[torch.Tensor] = None) -> torch.Tensor:
         drop = lambda y: tp_dropout(y, self.dropout, self.training, self.sequence_parallel)  # noqa: E731
-        x = x + drop(self.attention(self.norm1(x), rope, keep))
+        x = x + drop(self.attention(self.norm1(x), rope, keep, segments))
         return x + drop(self.mlp(self.norm2(x)))
 
 
@@ -201,14 +218,15 @@ class ParallelTokenEmbedding(nn.Module):
         if sequence_parallel and positions is not None:
             tp.mark_sequence_parallel(positions)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.tokens(input_ids)
         if self.positions is not None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            positions = position_ids if position_ids is not None else torch.arange(input_ids.shape[1],
+                                                                                     device=input_ids.device)[None]
             if self.sequence_parallel:  # this rank's slice of the sequence
                 group = self.tokens.group
-                positions = positions.chunk(group.size())[dist.get_rank(group)]
-            hidden = hidden + self.positions(positions).unsqueeze(0)
+                positions = positions.chunk(group.size(), dim=1)[dist.get_rank(group)]
+            hidden = hidden + self.positions(positions)
         return tp_dropout(hidden, self.dropout, self.training, self.sequence_parallel)
 
 
@@ -229,9 +247,12 @@ class CausalLMStage(nn.Module):
     """One pipeline stage of a wrapped causal LM: [embedding], blocks, [norm + head].
 
     Takes token ids [b, s] (first stage) or hidden states [b, s(/t), h] and returns hidden
-    states, or this rank's vocabulary slice of the logits on the last stage. With an
-    ``attention_mask`` [b, s] (1: token, 0: padding; transformers' convention) it also passes
-    the mask on: (hidden states, attention_mask) for the next stage.
+    states, or this rank's vocabulary slice of the logits on the last stage. The first stage
+    also takes transformers' ``attention_mask`` [b, s] (1: token, 0: padding) and
+    ``position_ids`` [b, s]; position ids without a mask that restart within a row pack
+    several sequences into it, each attending to itself alone (transformers' rule in
+    training, without a cache). With either, a stage passes (hidden states, attention_mask,
+    position_ids, packed segments) on to the next, defaults filled in.
 
     Args:
         embedding: ParallelTokenEmbedding on the first stage, else None.
@@ -255,21 +276,40 @@ class CausalLMStage(nn.Module):
         self.tp_size = tp_size
         self.recompute = recompute
 
-    def _rope(self, hidden: torch.Tensor) -> Rope:
+    def _rope(self, hidden: torch.Tensor, position_ids: Optional[torch.Tensor]) -> Rope:
         if self.rotary is None:
             return None
-        seq_len = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
-        positions = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
-        return self.rotary(hidden, positions)
+        if position_ids is None:
+            seq_len = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
+            position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+        return self.rotary(hidden, position_ids)
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None):
+        extras = attention_mask is not None or position_ids is not None
         if self.embedding is not None:
-            x = self.embedding(x)
-        rope = self._rope(x)
+            if position_ids is not None:
+                position_ids = position_ids.expand(x.shape[0], -1)
+            if position_ids is not None and attention_mask is None:
+                segments = packed_segments(position_ids)
+            x = self.embedding(x, position_ids)
+        elif segments is not None and not bool(segments.any()):
+            segments = None  # one sequence per row (the zeros a first stage passes on)
+        rope = self._rope(x, position_ids)
         # An all-ones mask hides nothing: the plain causal path, as transformers does.
         keep = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
         for block in self.blocks:
-            x = recompute.checkpoint(block, x, rope, keep) if self.recompute == "full" else block(x, rope, keep)
+            if self.recompute == "full":
+                x = recompute.checkpoint(block, x, rope, keep, segments)
+            else:
+                x = block(x, rope, keep, segments)
         if self.head is not None:
             return self.head(x)
-        return x if attention_mask is None else (x, attention_mask)
+        if not extras:
+            return x
+        rows, seq_len = x.shape[0], x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
+        defaults = torch.zeros(rows, seq_len, dtype=torch.long, device=x.device)
+        return (x,
+                attention_mask if attention_mask is not None else defaults + 1,
+                position_ids if position_ids is not None else defaults + torch.arange(seq_len, device=x.device),
+                segments if segments is not None else defaults)
