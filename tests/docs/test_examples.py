@@ -61,6 +61,14 @@ def test_pipeline_page_example_trains(tmp_path):
     assert re.search(r"validation loss [0-9.]+, outputs \(16, 4\)", output), output
 
 
+def test_pipeline_page_traced_example_trains(tmp_path):
+    """torch's tracing frontend, and a skip across stages that torch's own runtime rejects."""
+    (tmp_path / "traced.py").write_text(python_block("pipeline.md", "Save as `traced.py`"))
+    found = losses(run(["traced.py"], tmp_path, nproc=2))
+    assert sorted(found) == list(range(5)), found
+    assert all(found[s + 1] < found[s] for s in range(4)), found
+
+
 def test_ptdp_page_example_prints_the_documented_losses(tmp_path):
     """The page shows the program's output; the run reproduces it (fixed seeds, CPU)."""
     (tmp_path / "hf_ptdp.py").write_text(python_block("ptdp.md", "Save as `hf_ptdp.py`"))
