@@ -87,8 +87,8 @@ def chain(graph: fx.Graph, stage_index: int, module: nn.Module) -> ChainedStage:
 
     def needed_after(k: int) -> List[str]:
         """Values computed by stage k or earlier that stages after k (or the output) read."""
-        later = [name for call in calls[k + 1:] for name in (a.name for a in call.args)]
-        later += [v.name for v in outputs]
+        later = [a.name for call in calls[k + 1:] for a in call.args if isinstance(a, fx.Node) and a.name in producer]
+        later += [v.name for v in outputs]  # (a later stage's other inputs fail that stage's own chain())
         return list(dict.fromkeys(name for name in later if producer[name] <= k))
 
     call = calls[stage_index]
