@@ -24,6 +24,23 @@ void require_chunks(const std::string& name, const GenerateOptions& o, int chunk
   }
 }
 
+// Microbatches per depth-first group of the interleaved orders: the option, or Megatron's p when
+// it divides m, else the next divisor of m above p.
+int interleaved_group(const std::string& name, const GenerateOptions& o) {
+  int m = o.num_microbatches;
+  int group = o.microbatch_group_size;
+  if (group == 0) {
+    group = std::min(o.num_ranks, m);
+    while (m % group) group++;
+  }
+  // Smaller groups make rank 0 wait on its own microbatches and the 1F1B order deadlocks.
+  if (group < std::min(o.num_ranks, m) || m % group) {
+    constraint_error(name, "microbatch_group_size dividing m and >= min(p, m)",
+                     values(o) + ", microbatch_group_size=" + std::to_string(group));
+  }
+  return group;
+}
+
 using Generator = std::function<Schedule(const GenerateOptions&)>;
 
 const std::map<std::string, Generator>& registry() {
@@ -41,19 +58,12 @@ const std::map<std::string, Generator>& registry() {
          return detail::eager_one_f_one_b(o.num_ranks, o.num_microbatches);
        }},
       {"interleaved-1f1b", [](const GenerateOptions& o) {
-         int v = o.num_chunks ? o.num_chunks : 2;
-         int m = o.num_microbatches;
-         int group = o.microbatch_group_size;
-         if (group == 0) {  // Megatron's p when it divides m, else the next divisor of m above p
-           group = std::min(o.num_ranks, m);
-           while (m % group) group++;
-         }
-         // Smaller groups make rank 0 wait on its own microbatches and the 1F1B order deadlocks.
-         if (group < std::min(o.num_ranks, m) || m % group) {
-           constraint_error("interleaved-1f1b", "microbatch_group_size dividing m and >= min(p, m)",
-                            values(o) + ", microbatch_group_size=" + std::to_string(group));
-         }
-         return detail::interleaved_1f1b(o.num_ranks, o.num_microbatches, v, group);
+         return detail::interleaved_1f1b(o.num_ranks, o.num_microbatches, o.num_chunks ? o.num_chunks : 2,
+                                         interleaved_group("interleaved-1f1b", o));
+       }},
+      {"interleaved-zb", [](const GenerateOptions& o) {
+         return detail::interleaved_zero_bubble(o.num_ranks, o.num_microbatches, o.num_chunks ? o.num_chunks : 2,
+                                                interleaved_group("interleaved-zb", o));
        }},
       {"looped-bfs", [](const GenerateOptions& o) {
          return detail::looped_bfs(o.num_ranks, o.num_microbatches, o.num_chunks ? o.num_chunks : 2);
@@ -98,7 +108,7 @@ const std::map<std::string, Generator>& registry() {
 
 std::vector<std::string> schedule_names() {
   return {"gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1",
-          "zb-h2", "zb-auto", "zb-v", "dualpipe", "dualpipe-v"};
+          "zb-h2", "zb-auto", "interleaved-zb", "zb-v", "dualpipe", "dualpipe-v"};
 }
 
 Schedule generate(const std::string& name, const GenerateOptions& o) {

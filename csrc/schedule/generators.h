@@ -15,14 +15,14 @@ struct GenerateOptions {
   int num_chunks = 0;             // stages per rank; 0 picks the schedule's default
   Costs costs;                    // pass costs, used by the cost-aware generators (zb-auto, zb-v)
   double memory_limit = 0.0;      // zb-auto/zb-v: max in-flight activations per rank (M_B units); 0 = default
-  int microbatch_group_size = 0;  // interleaved-1f1b: microbatches per depth-first group; 0 = p
+  int microbatch_group_size = 0;  // interleaved-1f1b/-zb: microbatches per depth-first group; 0 = p
 };
 
 // Builds schedule `name` (see schedule_names()). Throws std::invalid_argument naming the failed
 // constraint and the values when the schedule cannot serve the options; never falls back.
 Schedule generate(const std::string& name, const GenerateOptions& options);
 
-// gpipe, 1f1b, eager-1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-auto, zb-v,
+// gpipe, 1f1b, eager-1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-auto, interleaved-zb, zb-v,
 // dualpipe, dualpipe-v.
 std::vector<std::string> schedule_names();
 

@@ -14,6 +14,7 @@ Schedule zb_h2(int p, int m);
 
 // v stages per rank, stage c*p + r on rank r.
 Schedule interleaved_1f1b(int p, int m, int v, int group_size);
+Schedule interleaved_zero_bubble(int p, int m, int v, int group_size);
 Schedule looped_bfs(int p, int m, int v);
 
 // Cost- and memory-aware list scheduling (greedy.cpp), searched over its hyperparameters.

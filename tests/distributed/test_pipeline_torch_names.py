@@ -22,6 +22,7 @@ CLASSES = {
     "ScheduleGPipe": (1, lambda r, p: [r]),
     "Schedule1F1B": (1, lambda r, p: [r]),
     "ScheduleInterleaved1F1B": (2, lambda r, p: [r, r + p]),
+    "ScheduleInterleavedZeroBubble": (2, lambda r, p: [r, r + p]),
     "ScheduleLoopedBFS": (2, lambda r, p: [r, r + p]),
     "ScheduleZBVZeroBubble": (2, lambda r, p: [r, 2 * p - 1 - r]),
     "ScheduleDualPipeV": (2, lambda r, p: [r, 2 * p - 1 - r]),

@@ -54,6 +54,16 @@ def test_interleaved_bubble_per_chunk_costs(p, m, v):
     assert max(sim.peak_activations) >= S.simulate(S.generate("1f1b", p, m)).peak_activations[0]
 
 
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 3), (4, 16, 4), (4, 12, 2), (3, 9, 2)])
+def test_interleaved_zb_fills_the_interleaved_bubble(p, m, v):
+    """Rank r defers 2r W's (the interleaved skew): no bubble at F=I=W, activations unchanged."""
+    zb = S.simulate(S.generate("interleaved-zb", p, m, num_chunks=v), f=F, i=I, w=W)
+    interleaved = S.simulate(S.generate("interleaved-1f1b", p, m, num_chunks=v), f=F, i=I, w=W)
+    assert zb.bubble == 0 < interleaved.bubble
+    assert zb.peak_activations == interleaved.peak_activations
+    assert zb.peak_weight_pending == [min(2 * r + 1, m * v) for r in range(p)]
+
+
 @pytest.mark.parametrize("name,p,m", [("dualpipe", 4, 8), ("dualpipe", 8, 16), ("dualpipe", 8, 32),
                                       ("dualpipe-v", 4, 8), ("dualpipe-v", 8, 16), ("dualpipe-v", 4, 24)])
 def test_dualpipe_below_zb_h1(name, p, m):

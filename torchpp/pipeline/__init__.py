@@ -22,6 +22,7 @@ from torchpp.pipeline.torch_names import (
     ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "ScheduleDualPipeV",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
     "SplitPoint",

@@ -71,6 +71,11 @@ class ScheduleInterleaved1F1B(_TorchNamedSchedule):
     schedule_name = "interleaved-1f1b"
 
 
+class ScheduleInterleavedZeroBubble(_TorchNamedSchedule):
+    """Interleaved 1F1B with split backward, W's deferred into the cooldown ("interleaved-zb")."""
+    schedule_name = "interleaved-zb"
+
+
 class ScheduleLoopedBFS(_TorchNamedSchedule):
     """Breadth-first over the stages of a rank ("looped-bfs")."""
     schedule_name = "looped-bfs"
@@ -94,5 +99,6 @@ class ScheduleDualPipeV(_TorchNamedSchedule):
     schedule_name = "dualpipe-v"
 
 
-TORCH_SCHEDULE_CLASSES: List[type] = [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
-                                      ScheduleZBVZeroBubble, ScheduleDualPipeV]
+TORCH_SCHEDULE_CLASSES: List[type] = [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+                                      ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
+                                      ScheduleDualPipeV]
