@@ -1,8 +1,8 @@
 """Pipeline runtime figures (p=2, CPU gloo), every comparison within one run.
 
   1. Step time of torchpp vs torch.distributed.pipelining: same model, same schedule
-     (1F1B, interleaved 1F1B, and the zero-bubble ZB-V), the two engines alternating step by
-     step; the ratio is the median of the per-pair ratios torchpp / torch. Two microbatch
+     (1F1B, interleaved 1F1B, the zero-bubble ZB-V and interleaved zero bubble), the two
+     engines alternating step by step; the ratio is the median of the per-pair ratios torchpp / torch. Two microbatch
      counts for the same batch: m=8 and m=32.
   2. Engine overhead per compute action: tiny stages, m=64. Overhead = CPU time of the rank's
      thread during a step minus the CPU time of the same stage computations (forward, loss,
@@ -46,6 +46,7 @@ PAIRS = [
     ("1F1B", "1f1b", "Schedule1F1B", 1, "single"),
     ("interleaved 1F1B (v=2)", "interleaved-1f1b", "ScheduleInterleaved1F1B", 2, "loop"),
     ("zero bubble ZB-V", "zb-v", "ScheduleZBVZeroBubble", 2, "v"),
+    ("interleaved zero bubble (v=2)", "interleaved-zb", "ScheduleInterleavedZeroBubble", 2, "loop"),
 ]
 
 
@@ -87,7 +88,7 @@ def torchpp_step_fn(name, width, m, ids, num_stages, group, split=None, batch=No
     except under zero-bubble schedules, whose W passes need torchpp's split-B/W linears."""
     from torchpp.pipeline import PipelineStage, build_schedule
 
-    split = name.startswith("zb") if split is None else split
+    split = "zb" in name if split is None else split
     stages = [PipelineStage(stage_module(width, split, s), s, num_stages, "cpu", group=group) for s in ids]
     sched = build_schedule(name, stages, m, loss_fn=F.mse_loss, in_order_p2p=in_order_p2p)
     rows = batch or batch_rows(width, m)
@@ -193,7 +194,7 @@ def bench_pairs(rank, repeats, width, m, group):
                 c, pc = alone(floor)
                 cpu["floor"].append(c)
                 proc["floor"].append(pc)
-        actions = 2 * m * per_rank if name != "zb-v" else 3 * m * per_rank  # F+B, or F+I+W
+        actions = 2 * m * per_rank if "zb" not in name else 3 * m * per_rank  # F+B, or F+I+W
         rows.append({"label": label, "m": m, "wall": wall, "cpu": cpu, "proc": proc, "actions": actions})
     return rows
 
@@ -259,7 +260,7 @@ def bench_engine_alone(repeats, group):
                 c = timed_step_local(fn)[1]
                 if k >= 3:
                     cpu[key].append(c)
-        actions = 2 * TINY_M * per_rank if name != "zb-v" else 3 * TINY_M * per_rank
+        actions = 2 * TINY_M * per_rank if "zb" not in name else 3 * TINY_M * per_rank
         rows.append((label, {k: statistics.median(v) * 1e6 / actions for k, v in cpu.items()}))
     return rows
 
