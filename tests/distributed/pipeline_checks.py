@@ -140,6 +140,20 @@ def run_configs(configs, check=train_and_compare):
     return results
 
 
+def assert_no_rank_errors(per_rank):
+    """Fails with every rank's traceback if any rank's result is an error."""
+    errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if isinstance(r, dict) and "error" in r]
+    assert not errors, "\n".join(errors)
+
+
+def config_results(results, index):
+    """Config ``index``'s result on every rank (``results``: per rank, run_configs' list),
+    after asserting that no rank raised."""
+    per_rank = [r[index] for r in results]
+    assert_no_rank_errors(per_rank)
+    return per_rank
+
+
 def run_tp_pp(configs, check=train_and_compare):
     """TP=2 x PP=2 on 4 ranks: rank = pp * 2 + tp."""
     rank = dist.get_rank()

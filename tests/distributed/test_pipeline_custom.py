@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline_checks import run_configs, train_and_compare
+from pipeline_checks import config_results, run_configs
 from torchpp import schedule as S
 from torchpp.pipeline import PipelineStage, build_schedule
 
@@ -48,9 +48,7 @@ def results(ranks, csv_paths):
 
 @pytest.mark.parametrize("index", range(len(CUSTOM)), ids=list(CUSTOM))
 def test_schedule_from_csv_matches_reference(results, index):
-    per_rank = [r[index] for r in results]
-    errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if "error" in r]
-    assert not errors, "\n".join(errors)
+    per_rank = config_results(results, index)
     for step in range(len(per_rank[0]["steps"])):
         total = sum(r["steps"][step]["loss_share"] for r in per_rank)
         assert math.isclose(total, per_rank[0]["steps"][step]["ref_loss"], rel_tol=1e-10)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from pipeline_checks import run_configs
+from pipeline_checks import config_results, run_configs
 from torchpp import schedule as S
 
 WORLD_SIZES = (2, 4)
@@ -49,9 +49,7 @@ def results(ranks):
 @pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[_label(c) for c in CONFIGS])
 def test_schedule_matches_reference(results, p, index):
     config = CONFIGS[index]
-    per_rank = [r[index] for r in results[p]]
-    errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if "error" in r]
-    assert not errors, "\n".join(errors)
+    per_rank = config_results(results[p], index)
     rtol = 1e-10 if config.get("dtype", torch.float64) is torch.float64 else 1e-5
     for step in range(len(per_rank[0]["steps"])):
         total = sum(r["steps"][step]["loss_share"] for r in per_rank)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from pipeline_checks import assert_no_rank_errors
 from script_checks import train_scripted
 
 CONFIGS = [("1f1b", True), ("zb-h1", True), ("interleaved-1f1b", True), ("zb-h1", False)]
@@ -21,8 +22,7 @@ def results(ranks):
 def test_script_stages(results, index):
     name, script = CONFIGS[index]
     per_rank = results[index]
-    errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if "error" in r]
-    assert not errors, "\n".join(errors)
+    assert_no_rank_errors(per_rank)
     for r in per_rank:
         assert r["torchscript_stages"] is script
         if script:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchpp.pipeline as torchpp_pp
-from pipeline_checks import run_configs
+from pipeline_checks import config_results, run_configs
 
 FEATURES, BATCH, M = 6, 16, 8
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -175,9 +175,7 @@ def results(ranks):
 
 @pytest.mark.parametrize("index", range(len(CLASSES)), ids=list(CLASSES))
 def test_torch_program_runs_unchanged_with_torchpp_imports(results, index):
-    per_rank = [r[index] for r in results]
-    errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if isinstance(r, dict)]
-    assert not errors, "\n".join(errors)
+    per_rank = config_results(results, index)
     assert sum(per_rank) == M  # every microbatch's loss came back, on the ranks holding last stages
 
 
@@ -188,9 +186,7 @@ def full_api_results(ranks):
 
 @pytest.mark.parametrize("index", range(len(FULL_API)), ids=FULL_API)
 def test_example_args_dw_builder_and_loss_kwargs_as_in_torch(full_api_results, index):
-    per_rank = [r[index] for r in full_api_results]
-    errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if isinstance(r, dict)]
-    assert not errors, "\n".join(errors)
+    per_rank = config_results(full_api_results, index)
     assert sum(per_rank) == M
 
 

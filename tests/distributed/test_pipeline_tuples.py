@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline_checks import local_last_microbatches, run_configs, run_tp_pp
+from pipeline_checks import assert_no_rank_errors, local_last_microbatches, run_configs, run_tp_pp
 from pipeline_models import linear
 from torchpp import schedule as S
 from torchpp.pipeline import PipelineStage, build_schedule, split_model
@@ -193,8 +193,7 @@ def _config_id(config):
 
 
 def _assert_ok(per_rank):
-    errors = [f"rank {k}:\n{r['error']}" for k, r in enumerate(per_rank) if isinstance(r, dict)]
-    assert not errors, "\n".join(errors)
+    assert_no_rank_errors(per_rank)
     shares = [r for r in per_rank if r]
     assert shares, "no rank computed a loss"
     for steps in zip(*shares):  # per step, the ranks' shares of the loss add up to the reference's
