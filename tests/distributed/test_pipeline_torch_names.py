@@ -190,19 +190,125 @@ def test_example_args_dw_builder_and_loss_kwargs_as_in_torch(full_api_results, i
     assert sum(per_rank) == M
 
 
-def test_unsupported_torch_arguments_are_named():
-    with pytest.raises(ValueError, match="args_chunk_spec"):
-        torchpp_pp.Schedule1F1B(None, M, args_chunk_spec=(object(),))
+class SeqBlock(nn.Module):
+    """A block on sequence-first activations [S, B, F]; the first stage also takes a replicated
+    gate and a mask [S, B]."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.fc = nn.Linear(FEATURES, FEATURES)
+        self.first = first
+
+    def forward(self, x, gate=None, *, mask=None):
+        if gate is not None:
+            x = x * gate
+        # torch's multi-stage schedules pass step()'s kwargs to every stage of the rank, torchpp
+        # to the first stage only: only the first block reads them.
+        if mask is not None and self.first:
+            x = x * mask[..., None]
+        return x + torch.tanh(self.fc(x))
 
 
-@pytest.mark.parametrize("name", ["PipelineStage"] + list(CLASSES))
+SEQ = 5
+# Schedules the chunk-spec program runs under: one stage and two stages per rank.
+CHUNKED = ["Schedule1F1B", "ScheduleInterleaved1F1B"]
+
+
+def seq_first_mse(output, target):
+    # Transposing the target keeps the output's gradient contiguous, which torch's gloo receives need.
+    return F.mse_loss(output, target.transpose(0, 1))
+
+
+def chunk_spec_program(pp, class_name, blocks, group, x, y, gate, mask):
+    """A sequence-first model: the batch and the mask split along dim 1, the gate goes whole to
+    every microbatch, the outputs merge along dim 1; the target splits along dim 0 (torch's
+    rule)."""
+    per_rank, place = CLASSES[class_name]
+    rank, p = dist.get_rank(group), group.size()
+    count, mine = per_rank * p, place(rank, p)
+    stages = [pp.PipelineStage(blocks[k], k, count, torch.device("cpu"), group=group) for k in mine]
+    mb = pp.microbatch
+    sched = getattr(pp, class_name)(stages[0] if per_rank == 1 else stages, M, seq_first_mse,
+                                    args_chunk_spec=(mb.TensorChunkSpec(1), mb._Replicate()),
+                                    kwargs_chunk_spec=mb.TensorChunkSpec.from_dict({"mask": 1}),
+                                    output_merge_spec=mb.TensorChunkSpec(1))
+    losses = []
+    first = dict(mask=mask) if 0 in mine else {}
+    output = sched.step(*([x, gate] if 0 in mine else []), target=y if count - 1 in mine else None,
+                        losses=losses, **first)
+    return mine, losses, output
+
+
+def _check_chunk_specs(class_name, pp_group):
+    torch.manual_seed(0)
+    blocks = [SeqBlock(k == 0).double() for k in range(CLASSES[class_name][0] * pp_group.size())]
+    theirs, ours, reference = copy.deepcopy(blocks), copy.deepcopy(blocks), copy.deepcopy(blocks)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SEQ, BATCH, FEATURES, generator=g, dtype=torch.float64)
+    y = torch.randn(BATCH, SEQ, FEATURES, generator=g, dtype=torch.float64)
+    gate = torch.rand(SEQ, 1, FEATURES, generator=g, dtype=torch.float64)
+    mask = (torch.rand(SEQ, BATCH, generator=g) > 0.3).double()
+    mine, torch_losses, torch_out = chunk_spec_program(torch_pp, class_name, theirs, pp_group, x, y, gate, mask)
+    _, our_losses, our_out = chunk_spec_program(torchpp_pp, class_name, ours, pp_group, x, y, gate, mask)
+    want = reference[0](x, gate, mask=mask)
+    for block in reference[1:]:
+        want = block(want)
+    seq_first_mse(want, y).backward()
+    if len(blocks) - 1 in mine:
+        assert our_out.shape == (SEQ, BATCH, FEATURES)
+        torch.testing.assert_close(our_out, want.detach(), **TOL)
+        torch.testing.assert_close(our_out, torch_out, **TOL)
+        torch.testing.assert_close(sum(our_losses) / M, seq_first_mse(want, y).detach(), **TOL)
+    assert len(our_losses) == len(torch_losses)
+    for a, b in zip(our_losses, torch_losses):
+        torch.testing.assert_close(a, b, **TOL)
+    for k in mine:
+        for (name, want_p), got, torch_got in zip(reference[k].named_parameters(), ours[k].parameters(),
+                                                  theirs[k].parameters()):
+            torch.testing.assert_close(got.grad, want_p.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs 1 process: {m}")
+            torch.testing.assert_close(got.grad, torch_got.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs torch: {m}")
+    return len(our_losses)
+
+
+@pytest.fixture(scope="module")
+def chunk_spec_results(ranks):
+    return ranks(2).run(run_configs, [dict(class_name=n) for n in CHUNKED], _check_chunk_specs, timeout=180)
+
+
+@pytest.mark.parametrize("index", range(len(CHUNKED)), ids=CHUNKED)
+def test_chunk_specs_split_and_merge_as_in_torch(chunk_spec_results, index):
+    per_rank = config_results(chunk_spec_results, index)
+    assert sum(per_rank) == M
+
+
+def test_get_schedule_class_and_bases_as_in_torch():
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from torchpp.pipeline import schedules as torchpp_schedules
+
+    for name in ["1F1B", "interleaved1f1b", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                 "DualPipeV", "PipelineScheduleSingle", "PipelineScheduleMulti"]:
+        assert torchpp_schedules.get_schedule_class(name).__name__ == torch_schedules.get_schedule_class(name).__name__
+        assert getattr(torchpp_schedules, torch_schedules.get_schedule_class(name).__name__) is \
+            torchpp_pp.get_schedule_class(name)
+    for name in CLASSES:
+        single = issubclass(getattr(torch_pp, name), torch_schedules.PipelineScheduleSingle)
+        assert issubclass(getattr(torchpp_pp, name), torchpp_pp.PipelineScheduleSingle) == single
+        assert issubclass(getattr(torchpp_pp, name), torchpp_pp.PipelineScheduleMulti) == (not single)
+    with pytest.raises(ValueError, match="unknown schedule name 'zb-h1'"):
+        torchpp_pp.get_schedule_class("zb-h1")
+    with pytest.raises(TypeError, match="PipelineScheduleSingle is an abstract base"):
+        torchpp_pp.PipelineScheduleSingle(None, M)
+
+
+@pytest.mark.parametrize("name", ["PipelineStage", "PipelineScheduleSingle"] + list(CLASSES))
 def test_torch_parameters_in_torch_order(name):
     """Every parameter of torch's constructor, in the same position, so that positional calls
     migrate too; torchpp's own options come after them."""
     import inspect
 
-    theirs = list(inspect.signature(getattr(torch_pp, name).__init__).parameters)
-    ours = list(inspect.signature(getattr(torchpp_pp, name).__init__).parameters)
+    theirs = list(inspect.signature(getattr(torch_pp.schedules, name).__init__).parameters)
+    ours = list(inspect.signature(getattr(torchpp_pp.schedules, name).__init__).parameters)
     assert ours[: len(theirs)] == theirs
 
 

@@ -11,13 +11,15 @@ compiler is one call away::
 
 The executor is C++ (csrc/runtime); see docs/pipeline.md.
 """
-from torchpp.pipeline import weight_grad_store
+from torchpp.pipeline import microbatch, weight_grad_store
 from torchpp.pipeline.errors import PipelineError, PipelineShapeError
 from torchpp.pipeline.schedules import PipelineSchedule, build_schedule
 from torchpp.pipeline.split import StageSequential, split_model
 from torchpp.pipeline.split_linear import SplitBWLinear, split_bw_linear
 from torchpp.pipeline.stage import PipelineStage
 from torchpp.pipeline.torch_names import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
@@ -25,6 +27,7 @@ from torchpp.pipeline.torch_names import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
+    get_schedule_class,
 )
 from torchpp.pipeline.trace import export_chrome_trace, plot_timeline
 from torchpp.pipeline import tracing
@@ -34,6 +37,8 @@ __all__ = [
     "Pipe",
     "PipelineError",
     "PipelineSchedule",
+    "PipelineScheduleMulti",
+    "PipelineScheduleSingle",
     "PipelineShapeError",
     "PipelineStage",
     "Schedule1F1B",
@@ -48,7 +53,9 @@ __all__ = [
     "SplitBWLinear",
     "build_schedule",
     "build_stage",
+    "microbatch",
     "export_chrome_trace",
+    "get_schedule_class",
     "pipe_split",
     "pipeline",
     "plot_timeline",

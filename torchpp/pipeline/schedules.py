@@ -10,11 +10,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from torchpp import _C
 from torchpp import schedule as S
 from torchpp.pipeline.errors import PipelineError
-from torchpp.pipeline.microbatch import loss_weights, split_arguments, split_microbatches
+from torchpp.pipeline.microbatch import (chunk_dim_of, loss_weights, merge_chunks, split_args_kwargs_into_chunks,
+                                         split_microbatches)
 from torchpp.pipeline.stage import PipelineStage
 
 # Tag of the gradient exchange between DualPipe's twin stages, far above the executor's tags.
@@ -41,8 +43,12 @@ class PipelineSchedule:
     """
 
     def __init__(self, schedule: "S.Schedule", stages: List[PipelineStage], loss_fn, scale_grads: bool,
-                 scatter_gather: bool, in_order_p2p: Optional[bool] = None):
+                 scatter_gather: bool, in_order_p2p: Optional[bool] = None, *, args_chunk_spec=None,
+                 kwargs_chunk_spec=None, output_merge_spec=None):
         self.schedule = schedule
+        self.args_chunk_spec = args_chunk_spec
+        self.kwargs_chunk_spec = kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
         first = stages[0]
         # NCCL matches messages by order and may hold a send until its receive is posted.
         self.in_order_p2p = first.device.type != "cpu" if in_order_p2p is None else bool(in_order_p2p)
@@ -183,17 +189,19 @@ class PipelineSchedule:
 
         Args:
             *args, **kwargs: the first stage's arguments, on ranks that hold a first stage
-                (nothing elsewhere): the batch tensor, then any further arguments. Tensors are
-                split along dim 0 into microbatches, anything else goes to every microbatch
-                as is; stages after the first receive only the previous stage's output.
+                (nothing elsewhere): the batch tensor, then any further arguments. They split
+                into microbatches by the schedule's chunk specs (default: tensors along dim 0,
+                anything else to every microbatch as is); stages after the first receive only
+                the previous stage's output.
             target: the batch's target on ranks that hold a last stage (passed to loss_fn).
             losses: if a list, this rank's per-microbatch losses (unscaled) are appended.
             return_outputs: False returns None everywhere (the outputs are not concatenated).
             loss_kwargs: further keyword arguments of every microbatch's ``loss_fn`` call.
 
         Returns:
-            On ranks holding a last stage, the outputs of its microbatches concatenated along
-            dim 0 (a tuple of such, if the last stage returns a tuple); None elsewhere.
+            On ranks holding a last stage, the outputs of its microbatches merged by the
+            ``output_merge_spec`` (default: concatenated along dim 0, entry by entry if the
+            last stage returns a tuple); None elsewhere.
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("torchpp pipeline: step() runs a backward and cannot run under torch.no_grad(); "
@@ -238,10 +246,7 @@ class PipelineSchedule:
         mine = sorted(self._outputs)
         if not mine or not return_outputs:
             return None
-        outputs = [self._outputs[k] for k in mine]
-        if isinstance(outputs[0], torch.Tensor):
-            return torch.cat(outputs)
-        return tuple(torch.cat(parts) for parts in zip(*outputs))
+        return merge_chunks([self._outputs[k] for k in mine], self.output_merge_spec)
 
     def _prepare(self, kind: str, args, kwargs, target) -> bool:
         """Checks and splits this rank's step arguments; whether the input shapes changed since
@@ -258,14 +263,19 @@ class PipelineSchedule:
         if self._script is not None and self._has_last and self._loss_kwargs:
             raise TypeError(f"torchpp pipeline: a TorchScript loss_fn takes (output, target) alone; got loss_kwargs "
                             f"{sorted(self._loss_kwargs)}")
-        self._inputs = split_microbatches(x, m) if self._has_first else None
-        self._arguments = split_arguments(args[1:], kwargs, m) if self._has_first else None
+        if self._has_first:
+            args_split, kwargs_split = split_args_kwargs_into_chunks(args, kwargs, m, self.args_chunk_spec,
+                                                                     self.kwargs_chunk_spec)
+            self._inputs = [a[0] for a in args_split]
+            self._arguments = [(a[1:], k) for a, k in zip(args_split, kwargs_split)]
+            if self._script is not None and not isinstance(x, torch.Tensor):
+                raise TypeError(f"torchpp pipeline: TorchScript stages take a batch tensor, got {type(x).__name__}")
+        else:
+            self._inputs = self._arguments = None
         self._targets = split_microbatches(target, m) if self._has_last and target is not None else None
-        sizing = self._targets or self._inputs
-        self._weights = loss_weights(sizing) if sizing is not None else [1.0 / m] * m
+        self._weights = self._loss_weights(m)
         # Each executor caches the shapes its last step exchanged; compare against those.
-        firsts = [t for mb, (more, named) in zip(self._inputs or [], self._arguments or [])
-                  for t in (mb, *more, *named.values()) if isinstance(t, torch.Tensor)]
+        firsts = [t for t in tree_flatten((self._inputs, self._arguments))[0] if isinstance(t, torch.Tensor)]
         signature = tuple((tuple(t.shape), t.dtype) for t in firsts)
         changed = signature != self._signatures.get(kind)
         self._signatures[kind] = signature
@@ -274,6 +284,16 @@ class PipelineSchedule:
         if self._script is not None:
             self._script.set_step(self._inputs or [], self._targets or [], self._weights)
         return changed
+
+    def _loss_weights(self, m: int) -> List[float]:
+        """Each microbatch's share of the batch: by the targets' sizes (split along dim 0, as
+        torch does), else by the batch input's along its chunk dimension, else equal."""
+        if self._targets is not None:
+            return loss_weights(self._targets)
+        dim = chunk_dim_of(self.args_chunk_spec[0]) if self.args_chunk_spec else 0
+        if self._inputs is not None and dim is not None and isinstance(self._inputs[0], torch.Tensor):
+            return loss_weights(self._inputs, dim)
+        return [1.0 / m] * m
 
     def _sum_twin_gradients(self) -> None:
         """DualPipe: rank r and rank p-1-r both hold model stages r and p-1-r; add up their grads."""
@@ -317,6 +337,9 @@ def build_schedule(
     memory_limit: Optional[float] = None,
     microbatch_group_size: Optional[int] = None,
     in_order_p2p: Optional[bool] = None,
+    args_chunk_spec=None,
+    kwargs_chunk_spec=None,
+    output_merge_spec=None,
 ) -> PipelineSchedule:
     """Compiles schedule ``name`` for this rank's stages.
 
@@ -340,10 +363,18 @@ def build_schedule(
             by NCCL, which ignores tags and may hold a send until its receive is posted; None
             (default) turns it on for every device but CPU. Off, messages are tagged and each
             receive is posted before its consumer (``Schedule.lowered()``), which suits gloo.
+        args_chunk_spec, kwargs_chunk_spec: how ``step``'s positional and keyword arguments split
+            into microbatches, a spec per leaf (``torchpp.pipeline.microbatch.TensorChunkSpec(dim)``
+            or ``_Replicate()``, torch's classes too). None: tensors along dim 0, anything else
+            to every microbatch. The target always splits along dim 0.
+        output_merge_spec: how the last stage's outputs merge (``TensorChunkSpec(dim)``, a
+            ``_CustomReducer`` such as ``sum_reducer``); None: concatenated along dim 0.
     """
     schedule, stage_list = compile_for_stages(name, stages, n_microbatches, costs=costs, memory_limit=memory_limit,
                                               microbatch_group_size=microbatch_group_size)
-    return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p)
+    return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p,
+                            args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
+                            output_merge_spec=output_merge_spec)
 
 
 def compile_for_stages(name: Union[str, "S.Schedule"], stages: Union[PipelineStage, Sequence[PipelineStage]],
@@ -380,3 +411,17 @@ def _given_schedule(schedule: "S.Schedule", group_size: int, n_microbatches: int
     schedule = schedule.compute_only() if schedule.is_lowered else schedule
     schedule.validate()
     return schedule
+
+
+# torch.distributed.pipelining.schedules holds its schedule classes and get_schedule_class;
+# here they live in torch_names (which imports this module), reached by the same import.
+_TORCH_NAMES = ("PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
+                "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS",
+                "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "get_schedule_class")
+
+
+def __getattr__(name: str):
+    if name in _TORCH_NAMES:
+        from torchpp.pipeline import torch_names
+        return getattr(torch_names, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,7 @@ _SCHEDULE_OPTIONS = ("costs", "memory_limit", "microbatch_group_size")
 
 
 class _TorchNamedSchedule(PipelineSchedule):
-    schedule_name = ""
+    schedule_name = ""  # the compiler's; empty in the abstract bases
 
     def __init__(self, stages: Union[PipelineStage, Sequence[PipelineStage]], n_microbatches: int,
                  loss_fn: Optional[Callable] = None, args_chunk_spec=None, kwargs_chunk_spec=None,
@@ -29,14 +29,10 @@ class _TorchNamedSchedule(PipelineSchedule):
         """torch's arguments, in its order (the multi-stage classes' last two included: the
         receives' timing is the lowering's, so ``defer_pp_recv`` changes nothing here), then
         build_schedule's keyword options."""
-        given = {"args_chunk_spec": args_chunk_spec, "kwargs_chunk_spec": kwargs_chunk_spec,
-                 "output_merge_spec": output_merge_spec}
-        for arg, value in given.items():
-            if value is not None:
-                raise ValueError(
-                    f"torchpp pipeline: {type(self).__name__}({arg}={value!r}) is not supported: torchpp "
-                    f"splits every tensor argument along dim 0 and concatenates outputs along dim 0"
-                )
+        if not self.schedule_name:
+            raise TypeError(f"torchpp pipeline: {type(self).__name__} is an abstract base (torch's subclasses "
+                            "implement their own step); use a schedule class, or build_schedule with any "
+                            "schedule of the compiler or a torchpp.schedule.Schedule of one's own")
         if not backward_requires_autograd:
             raise ValueError(f"torchpp pipeline: {type(self).__name__}(backward_requires_autograd=False) is not "
                              "supported: torchpp's I and B passes run autograd")
@@ -44,10 +40,18 @@ class _TorchNamedSchedule(PipelineSchedule):
         if unknown:
             raise TypeError(f"torchpp pipeline: {type(self).__name__} got unexpected keyword arguments {unknown}")
         schedule, stage_list = compile_for_stages(self.schedule_name, stages, n_microbatches, **schedule_options)
-        super().__init__(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p)
+        super().__init__(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p,
+                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
+                         output_merge_spec=output_merge_spec)
 
 
-class _SingleStageSchedule(_TorchNamedSchedule):
+class PipelineScheduleMulti(_TorchNamedSchedule):
+    """torch's base of the schedules with several stages per rank (for isinstance checks)."""
+
+
+class PipelineScheduleSingle(_TorchNamedSchedule):
+    """torch's base of the schedules with one stage per rank (for isinstance checks)."""
+
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Optional[Callable] = None,
                  args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
                  **options):
@@ -56,27 +60,27 @@ class _SingleStageSchedule(_TorchNamedSchedule):
                          scale_grads, **options)
 
 
-class ScheduleGPipe(_SingleStageSchedule):
+class ScheduleGPipe(PipelineScheduleSingle):
     """All forwards, then all backwards ("gpipe")."""
     schedule_name = "gpipe"
 
 
-class Schedule1F1B(_SingleStageSchedule):
+class Schedule1F1B(PipelineScheduleSingle):
     """One forward, one backward in the steady state ("1f1b")."""
     schedule_name = "1f1b"
 
 
-class ScheduleInterleaved1F1B(_TorchNamedSchedule):
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     """Megatron's interleaved 1F1B over several stages per rank ("interleaved-1f1b")."""
     schedule_name = "interleaved-1f1b"
 
 
-class ScheduleInterleavedZeroBubble(_TorchNamedSchedule):
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
     """Interleaved 1F1B with split backward, W's deferred into the cooldown ("interleaved-zb")."""
     schedule_name = "interleaved-zb"
 
 
-class ScheduleLoopedBFS(_TorchNamedSchedule):
+class ScheduleLoopedBFS(PipelineScheduleMulti):
     """Breadth-first over the stages of a rank ("looped-bfs")."""
     schedule_name = "looped-bfs"
 
@@ -89,12 +93,12 @@ class ScheduleLoopedBFS(_TorchNamedSchedule):
                          defer_pp_recv=defer_pp_recv, **options)
 
 
-class ScheduleZBVZeroBubble(_TorchNamedSchedule):
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
     """Zero bubble in a V shape, two stages per rank ("zb-v")."""
     schedule_name = "zb-v"
 
 
-class ScheduleDualPipeV(_TorchNamedSchedule):
+class ScheduleDualPipeV(PipelineScheduleMulti):
     """DeepSeek's DualPipe folded into a V, two stages per rank ("dualpipe-v")."""
     schedule_name = "dualpipe-v"
 
@@ -102,3 +106,19 @@ class ScheduleDualPipeV(_TorchNamedSchedule):
 TORCH_SCHEDULE_CLASSES: List[type] = [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
                                       ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble,
                                       ScheduleDualPipeV]
+
+# torch's names for get_schedule_class (matched case-insensitively, as torch does).
+_BY_TORCH_NAME = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B, "GPipe": ScheduleGPipe,
+                  "LoopedBFS": ScheduleLoopedBFS, "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+                  "PipelineScheduleSingle": PipelineScheduleSingle, "PipelineScheduleMulti": PipelineScheduleMulti,
+                  "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+
+
+def get_schedule_class(schedule_name: str) -> type:
+    """The class torch's ``get_schedule_class`` maps ``schedule_name`` to (e.g. "1F1B",
+    "interleaved1f1b", "ZBVZeroBubble"), torchpp's of the same name."""
+    by_lower = {k.lower(): cls for k, cls in _BY_TORCH_NAME.items()}
+    if schedule_name.lower() not in by_lower:
+        raise ValueError(f"torchpp pipeline: unknown schedule name {schedule_name!r}; torch's names are "
+                         f"{list(_BY_TORCH_NAME)} (torchpp.schedule.SCHEDULES has the compiler's, for build_schedule)")
+    return by_lower[schedule_name.lower()]
