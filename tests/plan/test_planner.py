@@ -1,4 +1,5 @@
 """Planner: impossible requests, budgets, rules of thumb, stable output."""
+import dataclasses
 import subprocess
 import sys
 
@@ -74,3 +75,18 @@ def test_paper_175b_on_96_gpus_picks_tp8_pp12(global_batch):
 def test_megatron2_model_state_is_20_bytes_per_parameter():
     with pytest.raises(PlanError, match=r"3492 GB .* \(20 bytes each\)"):
         plan(PRESETS["gpt3-175b"], Cluster(8, 80e9), Training.megatron2(64, 2048))
+
+
+def test_interleaved_zero_bubble_wins_over_interleaved_1f1b_by_its_bubble():
+    """With torchpp's features, 175B at batch 1536 on 96 GPUs: the best layout runs
+    interleaved-zb, and the same layout under interleaved-1f1b is slower only by pipeline idle
+    time (same compute, communication and memory: W deferral keeps 1F1B's peak)."""
+    result = plan(PRESETS["gpt3-175b"], Cluster(96, 80e9), Training(1536, 2048))
+    best = result.best
+    assert best.layout.schedule == "interleaved-zb", best.layout
+    twin = next(c for c in result.ranked if c.layout == dataclasses.replace(best.layout, schedule="interleaved-1f1b"))
+    assert twin.bubble_ratio > best.bubble_ratio
+    assert twin.memory_per_gpu == best.memory_per_gpu
+    for cause in ("compute", "tp_comm", "dp_sync"):
+        assert twin.breakdown[cause] == pytest.approx(best.breakdown[cause], rel=1e-12), cause
+    assert twin.breakdown["pipeline_idle"] > best.breakdown["pipeline_idle"]

@@ -40,7 +40,8 @@ class Training:
     element_bytes: int = 2  # 16-bit activations, weights and gradients
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     schedules: tuple[tuple[str, int], ...] = (
-        ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-v", 2))
+        ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-v", 2),
+        ("interleaved-zb", 2), ("interleaved-zb", 4))
     recompute: tuple[str, ...] = RECOMPUTE
     zero1: tuple[bool, ...] = (False, True)
     sequence_parallel: bool = True  # Megatron-3 SP with every TP > 1 (False: Megatron-2's feature set)
