@@ -54,7 +54,7 @@ struct SplitBWLinear : public torch::autograd::Function<SplitBWLinear> {
     const auto& grad = grads[0];
     at::Tensor grad_input;
     if (ctx->needs_input_grad(0)) {
-      grad_input = grad.matmul(weight);
+      grad_input = grad.matmul(weight.to(grad.scalar_type()));  // the forward's compute dtype
     }
     const bool want_weight = ctx->needs_input_grad(1);
     const bool want_bias = bias.defined() && ctx->needs_input_grad(2);
@@ -71,6 +71,7 @@ struct SplitBWLinear : public torch::autograd::Function<SplitBWLinear> {
         return {grad_input, at::Tensor(), at::Tensor()};
       }
     }
+    // In the compute dtype; autograd casts them to the parameters' dtype, as after autocast's linear.
     auto [grad_weight, grad_bias] = weight_and_bias_grads(grad, input, want_weight, want_bias);
     return {grad_input, grad_weight, grad_bias};
   }

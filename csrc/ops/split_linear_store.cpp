@@ -147,12 +147,14 @@ void accumulate(const at::Tensor& param, const at::Tensor& grad) {
   if (main_grad.defined()) {
     main_grad.add_(grad.to(main_grad.scalar_type()));
   } else {
-    // AccumulateGrad's arithmetic: the first gradient is taken as is, later ones are added in place.
+    // AccumulateGrad's arithmetic, after autograd's cast to the parameter's dtype (a gradient
+    // computed under autocast is in the compute dtype): the first is taken as is, later ones added.
+    const auto cast = grad.to(param.scalar_type());
     at::Tensor& slot = const_cast<at::Tensor&>(param).mutable_grad();
     if (!slot.defined()) {
-      slot = grad.detach();
+      slot = cast.detach();
     } else {
-      slot.add_(grad);
+      slot.add_(cast);
     }
   }
   {

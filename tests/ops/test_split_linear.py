@@ -106,3 +106,46 @@ def test_opcheck():
     x, w, b, _ = _leaves(torch.float64)
     torch.library.opcheck(torch.ops.torchpp.split_bw_linear.default, (x, w, b),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["ordinary", "I_then_W"])
+def test_autocast_computes_as_autocast_linear(deferred):
+    """Under autocast the op computes in bf16 as F.linear does there (input, weight and bias
+    cast), its input gradient leaves in bf16, and the weight/bias gradients reach the fp32
+    parameters' .grad (deferred ones too): bit for bit what autocast's linear gives."""
+    torch.manual_seed(0)
+    first, reference_first = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    layer, reference = SplitBWLinear(8, 6), torch.nn.Linear(8, 6)
+    reference_first.load_state_dict(first.state_dict())
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, want = layer(first(x)), reference(reference_first(x))
+        direct = layer(x)  # an fp32 input is cast too
+    assert out.dtype == direct.dtype == torch.bfloat16 and torch.equal(out, want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(direct, reference(x))
+    grad = torch.randn(5, 6).to(torch.bfloat16)
+    if deferred:
+        with weight_grad_store.capture(0, 0):
+            out.backward(grad)
+        assert layer.weight.grad is None and first.weight.grad is not None
+        assert weight_grad_store.run(0, 0) == 1
+    else:
+        out.backward(grad)
+    want.backward(grad)
+    for got, expected in [(layer.weight, reference.weight), (layer.bias, reference.bias),
+                          (first.weight, reference_first.weight), (first.bias, reference_first.bias)]:
+        assert got.grad.dtype == torch.float32
+        assert torch.equal(got.grad, expected.grad)
+
+
+def test_autocast_leaves_float64_alone():
+    x, w, b, grad = _leaves(torch.float64)
+    expected = _standard_grads(x, w, b, grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = split_bw_linear(x, w, b)
+    assert out.dtype == torch.float64
+    out.backward(grad)
+    for got, want in zip((x.grad, w.grad, b.grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

@@ -64,7 +64,8 @@ def test_merge_as_torch_merges(spec_module):
     _assert_same(ours.merge_chunks(chunks, merge_spec), theirs.merge_chunks(chunks, torch_spec))
     plain = [c[:2] for c in chunks]
     _assert_same(ours.merge_chunks(plain, None), theirs.merge_chunks(plain, None))
-    with pytest.raises(ValueError, match="output_merge_spec TensorChunkSpec\\(0\\) has 1 leaves but the stage output has 2"):
+    with pytest.raises(ValueError,
+                       match=r"output_merge_spec TensorChunkSpec\(0\) has 1 leaves but the stage output has 2"):
         ours.merge_chunks(plain, ours.TensorChunkSpec(0))
     merged = ours.merge_chunks(chunks, merge_spec)
     assert merged[2].item() == 0 + 1 + 2 and merged[1].shape == (6, 3, 2)
@@ -76,7 +77,8 @@ def test_errors_name_the_offending_value():
         ours.split_args_kwargs_into_chunks((t["bias"],), {}, 5)
     with pytest.raises(ValueError, match=r"shape \(7, 5\) cannot be split into 3 microbatches along dim 2"):
         ours.split_args_kwargs_into_chunks((t["mask"],), {}, M, (ours.TensorChunkSpec(2),))
-    with pytest.raises(ValueError, match=r"positional arguments chunk spec \(TensorChunkSpec\(0\),\) has 1 leaves but the positional arguments have 2"):
+    with pytest.raises(ValueError, match=r"positional arguments chunk spec \(TensorChunkSpec\(0\),\) has 1 leaves "
+                                         r"but the positional arguments have 2"):
         ours.split_args_kwargs_into_chunks((t["x"], t["mask"]), {}, M, (ours.TensorChunkSpec(0),))
     with pytest.raises(TypeError, match="leaf 1 has chunk spec TensorChunkSpec\\(0\\) but is a float"):
         ours.split_args_kwargs_into_chunks((t["x"], 2.0), {}, M, ours.TensorChunkSpec.from_tuple((0, 0)))
