@@ -38,6 +38,7 @@ def parse_args():
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--zero", action="store_true", help="ZeRO-1: shard Adam's state over dp")
     parser.add_argument("--recompute", choices=["full", "selective"], default=None)
+    parser.add_argument("--bf16", action="store_true", help="mixed precision: the step under torch.autocast(bf16)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--seq", type=int, default=32)
@@ -88,14 +89,15 @@ def main():
 
     if rank == 0:
         print(f"world={dist.get_world_size()} tp={state.tp} pp={state.pp} dp={state.dp} schedule={args.schedule} "
-              f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} "
+              f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} bf16={args.bf16} "
               f"params/rank={sum(p.numel() for p in model.parameters())}", flush=True)
     bar = tqdm(range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step")
     for step in bar:
         start = time.perf_counter()
         ids = progression_batch(data, local_batch, args.seq, config.vocab_size).to(state.device)
         optimizer.zero_grad()
-        loss = model.step(ids if model.has_first_stage else None, labels=ids if model.has_last_stage else None)
+        with torch.autocast(state.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model.step(ids if model.has_first_stage else None, labels=ids if model.has_last_stage else None)
         norm = optimizer.step()
         value = step_loss(model, loss, state)
         tokens_per_s = args.batch * args.seq / (time.perf_counter() - start)
