@@ -339,20 +339,21 @@ def bench_split_linear(repeats):
         weight_grad_store.run(0, 0)
 
     def timed(fn):
-        out = []
-        for k in range(repeats + 3):
-            x.grad = w.grad = b.grad = None
-            start = time.perf_counter()
-            fn()
-            if k >= 3:
-                out.append(time.perf_counter() - start)
-        return out
+        x.grad = w.grad = b.grad = None
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
 
+    for _ in range(3):  # warm-up
+        timed(standard), timed(split)
+    # Paired and alternating (which runs first swaps every pair), so drift hits both alike.
     t_std, t_split = [], []
-    for _ in range(3):
-        t_std += timed(standard)
-        t_split += timed(split)
-    return summary(t_split), summary(t_std)
+    for k in range(repeats):
+        first, second = (standard, split) if k % 2 == 0 else (split, standard)
+        a, b_time = timed(first), timed(second)
+        t_std.append(a if first is standard else b_time)
+        t_split.append(b_time if first is standard else a)
+    return t_split, t_std
 
 
 def worker(rank, init_file, repeats, pin, sections, results):
@@ -473,9 +474,10 @@ def main():
             print(f"| {label} | {cpu['ours']:.0f} us | {cpu['theirs']:.0f} us | {cpu['floor']:.0f} us | "
                   f"{ours:.0f} us | {theirs:.0f} us | {ours / theirs:.2f} |")
     if "split" in out:
-        s_split, s_std = out["split"]
-        print("\n3. split B/W linear, x 2048x1024, W 1024x1024 (fp32, 1 thread)")
-        print(f"I + W: {fmt(s_split)}; standard linear backward: {fmt(s_std)}; ratio {s_split[0] / s_std[0]:.3f}")
+        t_split, t_std = out["split"]
+        print("\n3. split B/W linear, x 2048x1024, W 1024x1024 (fp32, 1 thread), forward + backward")
+        print(f"I + W: {fmt(summary(t_split))}; standard linear backward: {fmt(summary(t_std))}; "
+              "paired ratio {:.3f} [{:.3f}, {:.3f}]".format(*paired_ratio(t_split, t_std)))
     if "bubble" in out:
         print_bubble_rows(out["bubble"])
     if "tuples" in out:
