@@ -149,3 +149,20 @@ def test_autocast_leaves_float64_alone():
     out.backward(grad)
     for got, want in zip((x.grad, w.grad, b.grad), expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_compiled_module_still_defers_weight_gradients():
+    """torch.compile breaks its graph around the op, whose C++ backward then parks the weight
+    gradient as in eager mode (traced ahead of time, it would compute it at once)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SplitBWLinear(8, 8), torch.nn.GELU(), SplitBWLinear(8, 4)).double()
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)).double()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with weight_grad_store.capture(0, 0):
+        torch.compile(model, backend="aot_eager")(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters()), "the weight gradients ran in I"
+    assert weight_grad_store.run(0, 0) == 2
+    reference(x).sum().backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=0)

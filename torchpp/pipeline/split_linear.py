@@ -15,8 +15,12 @@ from torch import nn
 import torchpp  # noqa: F401  (registers torch.ops.torchpp)
 
 
+# torch.compile would trace the op's backward ahead of time and compute the weight gradient in
+# I; a graph break here keeps the op eager, so its C++ backward can still park it for W.
+@torch.compiler.disable
 def split_bw_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y = input @ weight.T + bias`` with a weight gradient the pipeline can defer."""
+    """``y = input @ weight.T + bias`` with a weight gradient the pipeline can defer (under
+    ``torch.compile`` too: the compiled graph breaks around it)."""
     return torch.ops.torchpp.split_bw_linear(input, weight, bias)
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchpp import ops
+from torchpp.pipeline.split_linear import split_bw_linear
 from torchpp.tensor_parallel.utils import check_same_device, divide, mark_tensor_parallel
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -30,7 +31,7 @@ def default_linear_init(weight: torch.Tensor) -> None:
 def _linear(input, weight, bias, split_bw: bool) -> torch.Tensor:
     # The split B/W op defers the weight gradient to a pipeline's W pass; F.linear does not.
     if split_bw:
-        return torch.ops.torchpp.split_bw_linear(input, weight, bias)
+        return split_bw_linear(input, weight, bias)  # eager under torch.compile, so W stays deferred
     return F.linear(input, weight, bias)
 
 
