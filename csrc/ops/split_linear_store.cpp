@@ -17,13 +17,20 @@ namespace {
 
 using Key = std::pair<int64_t, int64_t>;
 
+// A parameter's main_grad, held with a weak reference to the parameter: a dead parameter's
+// address can be reused by a new tensor, which must not inherit its main_grad.
+struct MainGrad {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> owner;
+  at::Tensor buffer;
+};
+
 // Global, not thread-local: on accelerators the autograd engine runs backward on device threads.
 struct Store {
   std::mutex mutex;
   bool capturing = false;
   Key key{-1, -1};
   std::map<Key, std::vector<Deferred>> parked;
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> main_grads;
+  std::unordered_map<const c10::TensorImpl*, MainGrad> main_grads;
   std::unordered_map<const c10::TensorImpl*, int64_t> parked_per_param;
 };
 
@@ -130,7 +137,9 @@ void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad) {
               " does not match its parameter of shape ", param.sizes());
   auto& s = store();
   std::lock_guard<std::mutex> lock(s.mutex);
-  s.main_grads[param.unsafeGetTensorImpl()] = main_grad;
+  MainGrad entry{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(param.getIntrusivePtr()),
+                 main_grad};
+  s.main_grads.insert_or_assign(param.unsafeGetTensorImpl(), std::move(entry));
 }
 
 void accumulate(const at::Tensor& param, const at::Tensor& grad) {
@@ -141,7 +150,11 @@ void accumulate(const at::Tensor& param, const at::Tensor& grad) {
     std::lock_guard<std::mutex> lock(s.mutex);
     auto it = s.main_grads.find(param.unsafeGetTensorImpl());
     if (it != s.main_grads.end()) {
-      main_grad = it->second;
+      if (it->second.owner.expired()) {
+        s.main_grads.erase(it);  // registered for a parameter that died at this address
+      } else {
+        main_grad = it->second.buffer;
+      }
     }
   }
   if (main_grad.defined()) {
