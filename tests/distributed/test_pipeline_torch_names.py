@@ -129,6 +129,18 @@ def full_api_program(pp, class_name, blocks, group, x, y):
     return mine, losses
 
 
+def _assert_same_as_torch_and_one_process(mine, our_losses, torch_losses, ours, theirs, reference):
+    """This rank's losses equal torch's; its blocks' gradients equal torch's and one process's."""
+    assert len(our_losses) == len(torch_losses)
+    for a, b in zip(our_losses, torch_losses):
+        torch.testing.assert_close(a, b, **TOL)
+    for k in mine:
+        for (name, want), got, torch_got in zip(reference[k].named_parameters(), ours[k].parameters(),
+                                                theirs[k].parameters()):
+            torch.testing.assert_close(got.grad, want.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs 1 process: {m}")
+            torch.testing.assert_close(got.grad, torch_got.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs torch: {m}")
+
+
 def _check(class_name, pp_group, full_api=False):
     torch.manual_seed(0)
     blocks = [(HeldBlock if full_api else Block)().double() for _ in range(CLASSES[class_name][0] * pp_group.size())]
@@ -157,14 +169,7 @@ def _check(class_name, pp_group, full_api=False):
         assert at_once == (class_name == "Schedule1F1B"), our_events
     else:
         F.mse_loss(reference(x), y).backward()
-    assert len(our_losses) == len(torch_losses)
-    for a, b in zip(our_losses, torch_losses):
-        torch.testing.assert_close(a, b, **TOL)
-    for k in mine:
-        for (name, want), got, torch_got in zip(reference[k].named_parameters(), ours[k].parameters(),
-                                                theirs[k].parameters()):
-            torch.testing.assert_close(got.grad, want.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs 1 process: {m}")
-            torch.testing.assert_close(got.grad, torch_got.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs torch: {m}")
+    _assert_same_as_torch_and_one_process(mine, our_losses, torch_losses, ours, theirs, reference)
     return len(our_losses)
 
 
@@ -259,14 +264,7 @@ def _check_chunk_specs(class_name, pp_group):
         torch.testing.assert_close(our_out, want.detach(), **TOL)
         torch.testing.assert_close(our_out, torch_out, **TOL)
         torch.testing.assert_close(sum(our_losses) / M, seq_first_mse(want, y).detach(), **TOL)
-    assert len(our_losses) == len(torch_losses)
-    for a, b in zip(our_losses, torch_losses):
-        torch.testing.assert_close(a, b, **TOL)
-    for k in mine:
-        for (name, want_p), got, torch_got in zip(reference[k].named_parameters(), ours[k].parameters(),
-                                                  theirs[k].parameters()):
-            torch.testing.assert_close(got.grad, want_p.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs 1 process: {m}")
-            torch.testing.assert_close(got.grad, torch_got.grad, **TOL, msg=lambda m, n=name: f"{k}.{n} vs torch: {m}")
+    _assert_same_as_torch_and_one_process(mine, our_losses, torch_losses, ours, theirs, reference)
     return len(our_losses)
 
 

@@ -18,10 +18,16 @@ import torchpp  # noqa: F401  (registers torch.ops.torchpp)
 # torch.compile would trace the op's backward ahead of time and compute the weight gradient in
 # I; a graph break here keeps the op eager, so its C++ backward can still park it for W.
 @torch.compiler.disable
+def _eager_split_bw_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.torchpp.split_bw_linear(input, weight, bias)
+
+
 def split_bw_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y = input @ weight.T + bias`` with a weight gradient the pipeline can defer (under
     ``torch.compile`` too: the compiled graph breaks around it)."""
-    return torch.ops.torchpp.split_bw_linear(input, weight, bias)
+    if torch.compiler.is_compiling():
+        return _eager_split_bw_linear(input, weight, bias)
+    return torch.ops.torchpp.split_bw_linear(input, weight, bias)  # eager: no disable wrapper per call
 
 
 class SplitBWLinear(nn.Linear):
