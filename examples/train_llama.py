@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/train_llama.py            # pp=2 x tp=2, zb-h1
     torchrun --nproc-per-node 8 examples/train_llama.py            # pp=2 x tp=2 x dp=2
     torchrun --nproc-per-node 4 examples/train_llama.py --zero --schedule interleaved-1f1b
+    torchrun --nproc-per-node 4 examples/train_llama.py --fp16     # fp16 autocast, dynamic loss scaling
 
 The model is a random tiny LlamaForCausalLM (no download). torchpp.models.parallelize shards
 it over tp (Column/RowParallelLinear, vocab-parallel embedding and loss) and cuts its decoder
@@ -24,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import torchpp
 from torchpp import schedule as S
 from torchpp.models import parallelize
-from torchpp.parallel import DistributedOptimizer
+from torchpp.parallel import DistributedOptimizer, GradScaler
 from torchpp.pipeline import export_chrome_trace, plot_timeline
 from torchpp.pipeline.trace import gather_runs, measured_simulation
 from torchpp.tensor_parallel import model_parallel_manual_seed
@@ -38,7 +39,10 @@ def parse_args():
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--zero", action="store_true", help="ZeRO-1: shard Adam's state over dp")
     parser.add_argument("--recompute", choices=["full", "selective"], default=None)
-    parser.add_argument("--bf16", action="store_true", help="mixed precision: the step under torch.autocast(bf16)")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="mixed precision: the step under torch.autocast(bf16)")
+    precision.add_argument("--fp16", action="store_true",
+                           help="mixed precision: torch.autocast(fp16) with dynamic loss scaling (GradScaler)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--seq", type=int, default=32)
@@ -78,32 +82,38 @@ def main():
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq)
     torch.manual_seed(args.seed)  # the same initial model on every rank; parallelize keeps our shards
+    # One skip decision and one scale on every rank; disabled (a no-op) unless --fp16.
+    scaler = GradScaler(state.device.type, enabled=args.fp16)
     model = parallelize(LlamaForCausalLM(config), schedule=args.schedule, n_microbatches=args.microbatches,
-                        recompute=args.recompute, state=state)
+                        recompute=args.recompute, state=state, grad_scaler=scaler)
     model_parallel_manual_seed(args.seed, tp_rank=state.tp_rank, pp_rank=state.pp_rank)
     optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, zero=args.zero, max_norm=1.0,
-                                     accumulations_per_step=args.microbatches, lr=args.lr,
+                                     accumulations_per_step=args.microbatches, lr=args.lr, grad_scaler=scaler,
                                      hold=[model.tied_weight] if model.tied_weight is not None else [])
     data = torch.Generator().manual_seed(args.seed + state.dp_rank)  # each replica its own data
     local_batch = args.batch // state.dp
 
     if rank == 0:
         print(f"world={dist.get_world_size()} tp={state.tp} pp={state.pp} dp={state.dp} schedule={args.schedule} "
-              f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} bf16={args.bf16} "
+              f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} bf16={args.bf16} fp16={args.fp16} "
               f"params/rank={sum(p.numel() for p in model.parameters())}", flush=True)
     bar = tqdm(range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step")
     for step in bar:
         start = time.perf_counter()
         ids = progression_batch(data, local_batch, args.seq, config.vocab_size).to(state.device)
         optimizer.zero_grad()
-        with torch.autocast(state.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        with torch.autocast(state.device.type, dtype=torch.float16 if args.fp16 else torch.bfloat16,
+                            enabled=args.bf16 or args.fp16):
             loss = model.step(ids if model.has_first_stage else None, labels=ids if model.has_last_stage else None)
         norm = optimizer.step()
         value = step_loss(model, loss, state)
         tokens_per_s = args.batch * args.seq / (time.perf_counter() - start)
         if rank == 0:
             bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            tqdm.write(f"step {step:3d}  loss {value:.4f}  grad-norm {norm.item():.3f}  tokens/s {tokens_per_s:7.0f}")
+            scale = f"  loss-scale {scaler.get_scale():.0f}{' (skipped)' if optimizer.last_step_skipped else ''}" \
+                if args.fp16 else ""
+            tqdm.write(f"step {step:3d}  loss {value:.4f}  grad-norm {norm.item():.3f}{scale}  "
+                       f"tokens/s {tokens_per_s:7.0f}")
 
     if model.schedule is not None:
         os.makedirs(args.out, exist_ok=True)

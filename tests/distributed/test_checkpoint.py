@@ -14,7 +14,7 @@ from torchpp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from torchpp.checkpoint import directory
 from torchpp.checkpoint.chunks import flat_range_boxes
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
-from torchpp.parallel import DistributedOptimizer, ZeroRedundancyOptimizer, init_parallel
+from torchpp.parallel import DistributedOptimizer, GradScaler, ZeroRedundancyOptimizer, init_parallel
 from torchpp.pipeline import split_model
 from tp_reference import assert_close, tp_subgroup
 
@@ -31,11 +31,12 @@ def _batch(step):
     return torch.randint(0, CONFIG.vocab_size, shape, generator=g), torch.randint(0, CONFIG.vocab_size, shape, generator=g)
 
 
-def _build(state, zero, seed, config=CONFIG, dtype=torch.float32):
+def _build(state, zero, seed, config=CONFIG, dtype=torch.float32, grad_scaler=None):
     """A model and its DistributedOptimizer (AdamW; ZeRO-1 or DP all-reduce), seeded with `seed`."""
     tp.model_parallel_manual_seed(seed, tp_rank=state.tp_rank)
     model = GPT(config, group=state.tp_group).to(dtype)
-    return model, DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, zero=zero, lr=LR)
+    return model, DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, zero=zero, lr=LR,
+                                       grad_scaler=grad_scaler)
 
 
 def _train(state, model, optimizer, steps):
@@ -46,7 +47,8 @@ def _train(state, model, optimizer, steps):
         mine = slice(state.dp_rank * BATCH // state.dp, (state.dp_rank + 1) * BATCH // state.dp)
         optimizer.zero_grad()
         loss = gpt_loss(model(tokens[mine]), labels[mine], state.tp_group)
-        loss.backward()
+        scaler = optimizer.grad_scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         optimizer.step()
         loss = loss.detach().clone()
         dist.all_reduce(loss, group=state.dp_group)
@@ -74,6 +76,30 @@ def check_resume(root, layouts):
         resumed = torch.cat([first, second])
         assert torch.equal(resumed, straight), f"{what}: resumed {resumed.tolist()} != straight {straight.tolist()}"
     return True
+
+
+def check_resume_loss_scale(root):
+    """With an fp16 loss scaler the resumed run continues the saved scale (and its growth count)."""
+    state = init_parallel(tp=1)
+    scaler = dict(init_scale=2.0**8, growth_interval=3)
+    straight_scaler = GradScaler("cpu", **scaler)
+    straight = _train(state, *_build(state, False, seed=11, grad_scaler=straight_scaler), range(4))
+    model, optimizer = _build(state, False, seed=11, grad_scaler=GradScaler("cpu", **scaler))
+    first = _train(state, model, optimizer, range(2))
+    save_checkpoint(root, 2, model, optimizer)
+    resumed_scaler = GradScaler("cpu", init_scale=1.0, growth_interval=3)
+    model, optimizer = _build(state, False, seed=99, grad_scaler=resumed_scaler)
+    load_checkpoint(root, model, optimizer)
+    assert resumed_scaler.get_scale() == 2.0**8 and resumed_scaler._get_growth_tracker() == 2
+    resumed = torch.cat([first, _train(state, model, optimizer, range(2, 4))])
+    assert torch.equal(resumed, straight), f"resumed {resumed.tolist()} != straight {straight.tolist()}"
+    # Two good steps after the load complete the growth interval: the scale doubles, as straight on.
+    assert resumed_scaler.get_scale() == straight_scaler.get_scale() == 2.0**9
+    return True
+
+
+def test_resume_restores_the_loss_scale(ranks, tmp_path):
+    assert ranks(2).run(check_resume_loss_scale, str(tmp_path), timeout=TIMEOUT) == [True] * 2
 
 
 def test_resume_equals_uninterrupted_run(ranks, tmp_path):

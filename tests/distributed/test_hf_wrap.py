@@ -142,23 +142,29 @@ def _relative_error(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 
-def check_pipeline_autocast(kind, schedule):
-    """bf16 autocast around the step and around the unwrapped model. TP's partial products round
-    in bf16 before their all-reduce, so the two agree to bf16's precision, not bit for bit;
-    returns the worst relative errors (loss, gradients) against that reference and the
-    smallest against the fp32 one (which shows autocast was in force)."""
-    state = torchpp.init_parallel(tp=2, pp=2)
+def check_pipeline_autocast(kind, schedule, dtype=torch.bfloat16, pp=2, loss_scale=None):
+    """Autocast (bf16, or fp16 with a loss scale) around the step and around the unwrapped
+    model. TP's partial products round in low precision before their all-reduce, so the two
+    agree to that precision, not bit for bit; returns the worst relative errors (loss,
+    gradients, unscaled) against that reference and the smallest against the fp32 one (which
+    shows autocast was in force)."""
+    from torchpp.parallel import GradScaler
+
+    state = torchpp.init_parallel(tp=2, pp=pp)
     model = tiny_model(kind)
     reference, fp32_reference = copy.deepcopy(model), copy.deepcopy(model)
     ids, labels, mask, positions = inputs_of("plain", model.config.vocab_size)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         _, ref_loss, ref_grads = reference_step(reference, ids, labels)
     _, _, fp32_grads = reference_step(fp32_reference, ids, labels)
-    wrapped = parallelize(model, schedule=schedule, n_microbatches=4, state=state)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    scaler = GradScaler("cpu", init_scale=loss_scale) if loss_scale else None
+    wrapped = parallelize(model, schedule=schedule, n_microbatches=4, state=state, grad_scaler=scaler)
+    with torch.autocast("cpu", dtype=dtype):
         loss = wrapped.step(ids, labels)
     grads = wrapped.hf_state_dict(grads=True)
     assert grads and all(g.dtype == torch.float32 for g in grads.values())
+    if loss_scale:  # the backward ran scaled: the gradients are loss_scale times the batch's
+        grads = {n: g / loss_scale for n, g in grads.items()}
     loss_error = _relative_error(loss, ref_loss) if wrapped.has_last_stage else 0.0
     return (loss_error, max(_relative_error(g, ref_grads[n]) for n, g in grads.items()),
             max(_relative_error(g, fp32_grads[n]) for n, g in grads.items()))
@@ -170,6 +176,19 @@ def test_pp2_tp2_under_bf16_autocast_matches_unwrapped_to_bf16_precision(ranks):
     grad_error = max(r[1] for r in per_rank)
     assert loss_error < 1e-2 and grad_error < 5e-2, per_rank
     assert max(r[2] for r in per_rank) > 1e-3, per_rank  # without autocast the gradients differ
+
+
+def check_fp16_layouts():
+    return [check_pipeline_autocast("llama", "zb-h1", torch.float16, pp=2, loss_scale=2.0**12),
+            check_pipeline_autocast("llama", "1f1b", torch.float16, pp=1, loss_scale=2.0**12)]
+
+
+def test_fp16_loss_scaling_through_parallelize_matches_unwrapped_to_fp16_precision(ranks):
+    """pp2 x tp2 (the schedule scales each loss seed) and tp=2 without a pipeline (the step
+    scales its backward): gradients divided by the scale are the unwrapped fp16 ones."""
+    for layout in zip(*ranks(4).run(check_fp16_layouts, timeout=TIMEOUT_S)):
+        assert max(r[0] for r in layout) < 1e-2 and max(r[1] for r in layout) < 5e-2, layout
+        assert max(r[2] for r in layout) > 1e-4, layout  # fp16 moved the gradients off the fp32 ones
 
 
 def check_all_pipelines():

@@ -6,6 +6,7 @@ One checkpoint is one DCP directory. Keys (all layout-independent):
     optim.{name}.{key}        optimizer state (see torchpp.checkpoint.optimizer)
     hparams.{name}            the param group options of the parameter
     rng.pp{p}.tp{t}.dp{d}     per-rank RNG states (see torchpp.checkpoint.rng)
+    grad_scaler               the fp16 loss scaler's state (the same on every rank)
     meta                      {"step": int, "extra": user object}
 where {name} is the parameter's name in the unsharded, one-process model.
 """
@@ -29,6 +30,7 @@ from torchpp.parallel.groups import ParallelState, get_parallel_state
 
 MODEL_PREFIX = "model."
 META = "meta"
+GRAD_SCALER = "grad_scaler"
 
 
 @dataclass
@@ -62,6 +64,12 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return box[0]
 
 
+def _enabled_scaler(grad_scaler, optimizer):
+    """The loss scaler to save or load: the one given, else a DistributedOptimizer's own."""
+    scaler = grad_scaler if grad_scaler is not None else getattr(optimizer, "grad_scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
 def _model_entries(params, state: ParallelState) -> Dict[str, Any]:
     return {MODEL_PREFIX + name: as_dtensor(p.detach(), tp_partition(p, state), state) for name, p in params.items()}
 
@@ -74,6 +82,7 @@ def save_checkpoint(
     *,
     extra: Any = None,
     state: Optional[ParallelState] = None,
+    grad_scaler=None,
 ) -> str:
     """Saves this rank's part of the training state to `root/step_{step}`, atomically.
 
@@ -91,6 +100,8 @@ def save_checkpoint(
             DistributedOptimizer, over `model`.
         extra: any picklable object, equal on every rank (data position, LR scheduler state).
         state: the parallel layout (default: the one from torchpp.init_parallel).
+        grad_scaler: an fp16 loss scaler (torch.amp.GradScaler); default: the optimizer's, if
+            it is a DistributedOptimizer with one. Its scale and growth count are saved.
 
     Returns:
         The committed checkpoint directory.
@@ -103,6 +114,9 @@ def save_checkpoint(
         plain, chunked = optimizer_entries(optimizer, params, state)
         entries.update(plain)
     entries[rng_key(state.pp_rank, state.tp_rank, state.dp_rank)] = capture_rng()
+    scaler = _enabled_scaler(grad_scaler, optimizer)
+    if scaler is not None:
+        entries[GRAD_SCALER] = scaler.state_dict()
     entries[META] = {"step": step, "extra": extra}
     tmp = _on_rank0(lambda: directory.prepare(root, step))
     dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkedSavePlanner(chunked))
@@ -118,6 +132,7 @@ def load_checkpoint(
     *,
     step: Optional[int] = None,
     state: Optional[ParallelState] = None,
+    grad_scaler=None,
 ) -> LoadedCheckpoint:
     """Loads a checkpoint into this rank's model part (and optimizer), in place.
 
@@ -132,6 +147,9 @@ def load_checkpoint(
             is replaced by the saved one (parameters without saved state keep none).
         step: which step to load; default: the one `root/latest` names.
         state: the parallel layout (default: the one from torchpp.init_parallel).
+        grad_scaler: the fp16 loss scaler to restore (default: the optimizer's, if it is a
+            DistributedOptimizer with one); a checkpoint saved without one leaves it as is, with
+            a warning.
 
     Returns:
         A LoadedCheckpoint with the step, the `extra` object and whether RNG was restored.
@@ -156,11 +174,19 @@ def load_checkpoint(
     rng = source_key(metadata.state_dict_metadata, state)
     if rng is not None:
         entries[rng] = None
+    scaler = _enabled_scaler(grad_scaler, optimizer)
+    if scaler is not None and GRAD_SCALER in metadata.state_dict_metadata:
+        entries[GRAD_SCALER] = None
+    elif scaler is not None:
+        warnings.warn(f"torchpp.checkpoint: {path} holds no loss scaler state; the grad scaler keeps its scale "
+                      f"{scaler.get_scale()}")
     entries[META] = None
     dcp.load(entries, storage_reader=reader, planner=ChunkedLoadPlanner(chunked))
     if targets is not None:
         targets.plain.update({k: entries[k] for k in targets.plain})  # objects were read into `entries`
         targets.install(optimizer)
+    if entries.get(GRAD_SCALER) is not None:
+        scaler.load_state_dict(entries[GRAD_SCALER])
     if rng is not None:
         restore_rng(entries[rng])
     else:

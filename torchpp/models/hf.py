@@ -148,6 +148,7 @@ class ParallelCausalLM(nn.Module):
         self.exports = ctx.exports
         self.embedding_group = embedding_group
         self.schedule = None
+        self.grad_scaler = None  # fp16: scales each backward's loss seed (parallelize(grad_scaler=...))
         self._batch_rows = self._batch_tokens = 0
 
     @property
@@ -202,7 +203,8 @@ class ParallelCausalLM(nn.Module):
         """
         if self.schedule is None:
             loss = self.loss(self(input_ids, attention_mask, position_ids), labels)
-            loss.backward()
+            scaler = self.grad_scaler
+            (scaler.scale(loss) if scaler is not None and scaler.is_enabled() else loss).backward()
             if losses is not None:
                 losses.append(loss.detach())
             result = loss.detach()
@@ -323,6 +325,7 @@ def parallelize(
     recompute: Optional[str] = None,
     split: Optional[Union[Sequence[int], str]] = None,
     state: Optional[ParallelState] = None,
+    grad_scaler=None,
 ) -> ParallelCausalLM:
     """Shards a transformers causal LM over tensor- and pipeline-parallel ranks.
 
@@ -345,6 +348,9 @@ def parallelize(
         split: first decoder-layer index of each model stage after the first; default even;
             "auto": a quick profile and torchpp.plan's partitioner choose it (models/auto_split.py).
         state: the ParallelState (default: the current one, or init_parallel(tp, pp)).
+        grad_scaler: fp16 loss scaling (torchpp.parallel.GradScaler): ``step`` scales every
+            backward by its current scale; give it to DistributedOptimizer too, which unscales,
+            skips steps with an inf or NaN on any rank, and updates it.
 
     Returns:
         A ParallelCausalLM holding this rank's stages.
@@ -386,6 +392,7 @@ def parallelize(
                 built[last].head.output.weight.shared_duplicate = True
     stages = [built[i] for i in mine]
     wrapped = ParallelCausalLM(stages, mine, state, ctx, family.vocab_size, embedding_group).to(state.device)
+    wrapped.grad_scaler = grad_scaler
     if state.pp > 1:
         from torchpp.pipeline import PipelineStage, build_schedule
 
@@ -395,5 +402,5 @@ def parallelize(
         ]
         # Sequence-parallel outputs differ per TP rank, so the pipeline must not split/gather them.
         wrapped.schedule = build_schedule(schedule, pipeline_stages, n_microbatches, loss_fn=wrapped._microbatch_loss,
-                                          scatter_gather=not sequence_parallel)
+                                          scatter_gather=not sequence_parallel, grad_scaler=grad_scaler)
     return wrapped

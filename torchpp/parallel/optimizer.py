@@ -1,8 +1,9 @@
 """DistributedOptimizer: the data-parallel half of a training step in one object.
 
 step() finishes the data-parallel gradient reduction (bucketed all-reduce that started during
-backward, or ZeRO-1's reduce-scatter), clips by the global norm over dp x pp x tp, runs the
-wrapped torch.optim optimizer, and (ZeRO-1) all-gathers the updated parameters.
+backward, or ZeRO-1's reduce-scatter), unscales fp16 loss-scaled gradients, clips by the global
+norm over dp x pp x tp, runs the wrapped torch.optim optimizer (or, with an inf or NaN on any
+rank, skips it on every rank), and (ZeRO-1) all-gathers the updated parameters.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from torchpp.parallel.clip import clip_grad_norm_
 from torchpp.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
+from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.groups import ParallelState, get_parallel_state
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
@@ -29,6 +31,10 @@ class DistributedOptimizer:
             microbatches), so buckets launch while backward runs.
         hold: parameters whose gradients change after backward (e.g. tied embeddings).
         bucket_bytes: data-parallel bucket size.
+        grad_scaler: a torchpp.parallel.GradScaler (fp16): step() unscales the gradients
+            before clipping, skips the update on every rank if any rank found an inf or NaN,
+            and updates the scale. Give the same scaler to the pipeline schedule, which
+            scales the losses' backward seeds.
         **optimizer_kwargs: passed to optimizer_class (lr, weight_decay, ...).
 
     Call zero_grad() before a step's backward passes and step() after them.
@@ -45,8 +51,14 @@ class DistributedOptimizer:
         accumulations_per_step: int = 1,
         hold: Iterable[torch.nn.Parameter] = (),
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        grad_scaler: Optional[GradScaler] = None,
         **optimizer_kwargs,
     ):
+        if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
+            raise TypeError(f"DistributedOptimizer: grad_scaler must be a torchpp.parallel.GradScaler, got "
+                            f"{type(grad_scaler).__module__}.{type(grad_scaler).__name__}: each rank sees only its "
+                            f"own gradients, and a scaler that does not agree on inf/NaN over the ranks lets one "
+                            f"rank skip a step the others take")
         self.state = state or get_parallel_state()
         self.params = [p for p in params if p.requires_grad]
         self.max_norm = max_norm
@@ -58,25 +70,35 @@ class DistributedOptimizer:
             self.optimizer = optimizer_class(self.params, **optimizer_kwargs)
             self.reducer = GradReducer(self.params, self.state.dp_group, bucket_bytes, accumulations_per_step, hold)
         self.param_groups = self.optimizer.param_groups
+        self.grad_scaler = grad_scaler
         self.last_grad_norm: Optional[torch.Tensor] = None
+        self.last_step_skipped = False
 
     def zero_grad(self) -> None:
         (self.optimizer if self.zero else self.reducer).zero_grad()
 
     def step(self) -> Optional[torch.Tensor]:
-        """Reduces gradients over dp, clips, updates; returns the global gradient norm when clipping."""
+        """Reduces gradients over dp, unscales, clips, updates; returns the global gradient norm
+        when clipping (not finite when the grad scaler skipped the step: see last_step_skipped)."""
         if self.zero:
             self.optimizer.reduce_scatter_grads()
         else:
             self.reducer.finish()
+        scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # ZeRO's param_groups hold this rank's gradient shards
         norm = None
         if self.max_norm is not None:
             norm = clip_grad_norm_(self.params, self.max_norm, state=self.state,
                                    zero_optimizer=self.optimizer if self.zero else None)
-        if self.zero:
-            self.optimizer.step(grads_reduced=True)
+        step_kwargs = {"grads_reduced": True} if self.zero else {}
+        if scaler is None:
+            self.optimizer.step(**step_kwargs)
+            self.last_step_skipped = False
         else:
-            self.optimizer.step()
+            scaler.step(self.optimizer, **step_kwargs)  # skipped on every rank alike
+            self.last_step_skipped = scaler.found_inf(self.optimizer)
+            scaler.update()
         self.last_grad_norm = norm
         return norm
 

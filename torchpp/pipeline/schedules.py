@@ -44,7 +44,7 @@ class PipelineSchedule:
 
     def __init__(self, schedule: "S.Schedule", stages: List[PipelineStage], loss_fn, scale_grads: bool,
                  scatter_gather: bool, in_order_p2p: Optional[bool] = None, *, args_chunk_spec=None,
-                 kwargs_chunk_spec=None, output_merge_spec=None):
+                 kwargs_chunk_spec=None, output_merge_spec=None, grad_scaler=None):
         self.schedule = schedule
         self.args_chunk_spec = args_chunk_spec
         self.kwargs_chunk_spec = kwargs_chunk_spec
@@ -55,6 +55,9 @@ class PipelineSchedule:
         self.lowered = schedule.lowered(in_order=self.in_order_p2p)
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
+        self.grad_scaler = grad_scaler
+        # Whether a loss is multiplied before its backward: by its microbatch's share, the loss scale, or both.
+        self._weighted_seed = scale_grads or grad_scaler is not None
         self.num_microbatches = schedule.num_microbatches
         self.group = first.group
         self.rank = first.group_rank
@@ -67,7 +70,7 @@ class PipelineSchedule:
         self._has_last = any(s % spp == spp - 1 for s in self._stage_of)
         self._tp_group = first.tp_group
         self._scatter_gather = bool(scatter_gather and self._tp_group is not None and self._tp_group.size() > 1)
-        self._script = self._script_stages(loss_fn, scale_grads, spp)
+        self._script = self._script_stages(loss_fn, self._weighted_seed, spp)
         self._executor = self._make_executor(self.lowered)
         self._eval_executor = None  # built by the first eval()
         self._signatures: Dict[str, tuple] = {}  # per executor: its last step's input shapes
@@ -125,7 +128,7 @@ class PipelineSchedule:
             )
         return {s: by_model_stage[sch.model_stage(s)] for s in mine}
 
-    def _script_stages(self, loss_fn, scale_grads: bool, spp: int):
+    def _script_stages(self, loss_fn, weighted_seed: bool, spp: int):
         """TorchScript stages (and loss) run from C++ without entering Python; None otherwise."""
         scripted = all(isinstance(st.submod, torch.jit.ScriptModule) and st.dw_builder is None
                        for st in self._stage_of.values())
@@ -133,7 +136,7 @@ class PipelineSchedule:
         if not (scripted and loss_ok):
             return None
         modules = {s: st.submod for s, st in self._stage_of.items()}
-        return _C.ScriptStages(modules, loss_fn if self._has_last else None, spp, scale_grads,
+        return _C.ScriptStages(modules, loss_fn if self._has_last else None, spp, weighted_seed,
                                expected_outputs={s: st.output_tensors for s, st in self._stage_of.items()
                                                  if st.output_tensors and s % spp == spp - 1})
 
@@ -173,7 +176,7 @@ class PipelineSchedule:
         self._losses[microbatch] = loss.detach()
         self._outputs[microbatch] = _detached(output)
         # Weighted by the microbatch's share of the batch, the summed gradients are the batch's.
-        return loss * self._weights[microbatch] if self.scale_grads else loss
+        return loss * self._weights[microbatch] if self._weighted_seed else loss
 
     def _after_backward(self, stage: int, microbatch: int, split: bool) -> None:
         """The executor's hook after the backward of a stage with a ``dw_builder`` (torch's rule)."""
@@ -273,7 +276,7 @@ class PipelineSchedule:
         else:
             self._inputs = self._arguments = None
         self._targets = split_microbatches(target, m) if self._has_last and target is not None else None
-        self._weights = self._loss_weights(m)
+        self._weights = self._seed_weights(kind, m)
         # Each executor caches the shapes its last step exchanged; compare against those.
         firsts = [t for t in tree_flatten((self._inputs, self._arguments))[0] if isinstance(t, torch.Tensor)]
         signature = tuple((tuple(t.shape), t.dtype) for t in firsts)
@@ -284,6 +287,17 @@ class PipelineSchedule:
         if self._script is not None:
             self._script.set_step(self._inputs or [], self._targets or [], self._weights)
         return changed
+
+    def _seed_weights(self, kind: str, m: int) -> List[float]:
+        """Each microbatch's loss factor before backward: its share of the batch (scale_grads)
+        times the grad scaler's current loss scale (fp16)."""
+        weights = self._loss_weights(m) if self.scale_grads else [1.0] * m
+        scaler = self.grad_scaler
+        if kind != "train" or scaler is None or not scaler.is_enabled():
+            return weights
+        # scale() also puts the scaler's scale on this device, on every rank, before unscale_.
+        loss_scale = float(scaler.scale(torch.ones((), device=self.device)))
+        return [w * loss_scale for w in weights]
 
     def _loss_weights(self, m: int) -> List[float]:
         """Each microbatch's share of the batch: by the targets' sizes (split along dim 0, as
@@ -340,6 +354,7 @@ def build_schedule(
     args_chunk_spec=None,
     kwargs_chunk_spec=None,
     output_merge_spec=None,
+    grad_scaler=None,
 ) -> PipelineSchedule:
     """Compiles schedule ``name`` for this rank's stages.
 
@@ -369,12 +384,17 @@ def build_schedule(
             to every microbatch. The target always splits along dim 0.
         output_merge_spec: how the last stage's outputs merge (``TensorChunkSpec(dim)``, a
             ``_CustomReducer`` such as ``sum_reducer``); None: concatenated along dim 0.
+        grad_scaler: a ``torch.amp.GradScaler`` (for PTD-P, ``torchpp.parallel.GradScaler``,
+            whose skip decision all ranks share): each step multiplies every loss's backward
+            seed by its current scale, so fp16 gradients arrive scaled (I and W passes alike)
+            while ``losses`` stay unscaled. Unscale, step and update it after ``step()``, or
+            let ``torchpp.parallel.DistributedOptimizer(grad_scaler=...)`` do so.
     """
     schedule, stage_list = compile_for_stages(name, stages, n_microbatches, costs=costs, memory_limit=memory_limit,
                                               microbatch_group_size=microbatch_group_size)
     return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p,
                             args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                            output_merge_spec=output_merge_spec)
+                            output_merge_spec=output_merge_spec, grad_scaler=grad_scaler)
 
 
 def compile_for_stages(name: Union[str, "S.Schedule"], stages: Union[PipelineStage, Sequence[PipelineStage]],
