@@ -29,9 +29,11 @@ def local_last_microbatches(sched):
     return sorted(mine)
 
 
-def build_pipeline(name, dtype, m, pp_group, tp_group, scatter_gather, in_order_p2p, **schedule_options):
+def build_pipeline(name, dtype, m, pp_group, tp_group, scatter_gather, in_order_p2p, schedule_class=None,
+                   **schedule_options):
     """TinyLM split into the schedule's stages on this rank, and the whole model in one process
-    (same initialisation) as the reference. ``schedule_options``: more build_schedule arguments."""
+    (same initialisation) as the reference. ``schedule_class``: one of torch's schedule classes
+    (for ``name``'s schedule) instead of build_schedule; ``schedule_options``: more arguments."""
     p = dist.get_world_size(pp_group)
     pp_rank = dist.get_rank(pp_group)
     # A name of the compiler, or the path of a schedule in torch's CSV format (run as given).
@@ -43,8 +45,12 @@ def build_pipeline(name, dtype, m, pp_group, tp_group, scatter_gather, in_order_
     parts = split_model(model, model_stages, stage_split_points(model_stages, model_stages))
     mine = sorted({probe.model_stage(s) for s, r in enumerate(probe.stage_to_rank) if r == pp_rank})
     stages = [PipelineStage(parts[k], k, model_stages, "cpu", group=pp_group, tp_group=tp_group) for k in mine]
-    sched = build_schedule(name if given is None else given, stages, m, loss_fn=lm_loss, scatter_gather=scatter_gather,
-                           in_order_p2p=in_order_p2p, **schedule_options)
+    if schedule_class is not None:
+        sched = schedule_class(stages[0] if len(stages) == 1 else stages, m, lm_loss, scatter_gather=scatter_gather,
+                               in_order_p2p=in_order_p2p, **schedule_options)
+    else:
+        sched = build_schedule(name if given is None else given, stages, m, loss_fn=lm_loss,
+                               scatter_gather=scatter_gather, in_order_p2p=in_order_p2p, **schedule_options)
     params = [prm for st in stages for prm in st.submod.parameters()]
     return SimpleNamespace(probe=probe, model=model, reference=reference, sched=sched, params=params)
 

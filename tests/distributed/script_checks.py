@@ -28,15 +28,15 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
-def train_scripted(name, script=True, m=4, batch=8, width=8, steps=2):
+def train_scripted(name, script=True, loss_scale=None, m=4, batch=8, width=8, steps=2):
     group = dist.new_group(list(range(dist.get_world_size())))
     try:
-        return _train(name, script, m, batch, width, steps, group)
+        return _train(name, script, loss_scale, m, batch, width, steps, group)
     except Exception:
         return {"error": traceback.format_exc()}
 
 
-def _train(name, script, m, batch, width, steps, group):
+def _train(name, script, loss_scale, m, batch, width, steps, group):
     rank, p = dist.get_rank(group), dist.get_world_size(group)
     per_rank = 2 if name == "interleaved-1f1b" else 1
     probe = S.generate(name, num_ranks=p, num_microbatches=m, num_chunks=per_rank)
@@ -48,7 +48,9 @@ def _train(name, script, m, batch, width, steps, group):
     wrap = torch.jit.script if script else (lambda module: module)
     stages = [PipelineStage(wrap(blocks[s]), s, n, "cpu", group=group) for s in mine]
     loss_fn = wrap(nn.MSELoss())
-    sched = build_schedule(name, stages, m, loss_fn=loss_fn)
+    # A loss scale multiplies the seeds C++ gives the scripted losses' backward (fp16's loss scaling).
+    scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale) if loss_scale else None
+    sched = build_schedule(name, stages, m, loss_fn=loss_fn, grad_scaler=scaler)
     params = {s: list(blocks[s].parameters()) for s in mine}
     opt = torch.optim.SGD([q for s in mine for q in params[s]], lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -75,6 +77,7 @@ def _train(name, script, m, batch, width, steps, group):
         ref_loss.backward()
         for s in mine:
             for (pname, ref), got in zip(reference[s].named_parameters(), params[s]):
+                got.grad.div_(loss_scale or 1)  # unscaled, as GradScaler.unscale_ would (a power of two: exact)
                 torch.testing.assert_close(got.grad, ref.grad, rtol=1e-10, atol=1e-12,
                                            msg=lambda msg, s=s, pname=pname: f"step {step} stage {s} {pname}: {msg}")
         mean_loss = sum(loss.item() for loss in losses) / m if losses else None

@@ -18,10 +18,11 @@ import torch.distributed as dist
 from pipeline_checks import TOLERANCES, build_pipeline, config_results, local_last_microbatches, run_configs
 from pipeline_models import lm_loss, make_batches
 from torchpp.parallel import DistributedOptimizer, GradScaler
+from torchpp.pipeline import Schedule1F1B
 from torchpp.pipeline.microbatch import loss_weights, split_microbatches
 
 M, BATCH = 4, 8
-PIPELINE_SCHEDULES = ["1f1b", "zb-h1"]
+PIPELINE_SCHEDULES = ["1f1b", "zb-h1"]  # 1f1b through torch's class name, Schedule1F1B
 # init 2^24 overflows fp16 at once; backoff 2^-8 and growth x2 every good step then give:
 SCALER = dict(init_scale=2.0**24, backoff_factor=2.0**-8, growth_factor=2.0, growth_interval=1)
 EXPECTED_SKIPS = [True, False, True, False]  # step 1: fp16 overflow; step 3: the planted inf
@@ -45,7 +46,8 @@ def _compare(mismatches, actual, expected, what):
 
 def _pipeline_check(name, pp_group):
     scaler = GradScaler("cpu", group=pp_group, **SCALER)
-    built = build_pipeline(name, torch.float32, M, pp_group, None, True, None, grad_scaler=scaler)
+    schedule_class = Schedule1F1B if name == "1f1b" else None
+    built = build_pipeline(name, torch.float32, M, pp_group, None, True, None, schedule_class, grad_scaler=scaler)
     model, reference, sched, params = built.model, built.reference, built.sched, built.params
     ref_scaler = torch.amp.GradScaler("cpu", **SCALER)
     optimizer = torch.optim.SGD(params, lr=0.1)

@@ -9,18 +9,20 @@ import pytest
 from pipeline_checks import assert_no_rank_errors
 from script_checks import train_scripted
 
-CONFIGS = [("1f1b", True), ("zb-h1", True), ("interleaved-1f1b", True), ("zb-h1", False)]
+# (schedule, TorchScript stages, loss scale)
+CONFIGS = [("1f1b", True, None), ("zb-h1", True, None), ("interleaved-1f1b", True, None), ("zb-h1", False, None),
+           ("zb-h1", True, 2.0**10)]
 
 
 @pytest.fixture(scope="module")
 def results(ranks):
     pool = ranks(2)
-    return [pool.run(train_scripted, name, script, timeout=180) for name, script in CONFIGS]
+    return [pool.run(train_scripted, name, script, scale, timeout=180) for name, script, scale in CONFIGS]
 
 
-@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[f"{n}-{'script' if s else 'python'}" for n, s in CONFIGS])
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=[f"{n}-{'script' if s else 'python'}{'-scaled' if c else ''}" for n, s, c in CONFIGS])
 def test_script_stages(results, index):
-    name, script = CONFIGS[index]
+    name, script, _ = CONFIGS[index]
     per_rank = results[index]
     assert_no_rank_errors(per_rank)
     for r in per_rank:
