@@ -95,8 +95,8 @@ def main():
 
     if rank == 0:
         print(f"world={dist.get_world_size()} tp={state.tp} pp={state.pp} dp={state.dp} schedule={args.schedule} "
-              f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} bf16={args.bf16} fp16={args.fp16} "
-              f"params/rank={sum(p.numel() for p in model.parameters())}", flush=True)
+              f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} bf16={args.bf16} "
+              f"fp16={args.fp16} params/rank={sum(p.numel() for p in model.parameters())}", flush=True)
     bar = tqdm(range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step")
     for step in bar:
         start = time.perf_counter()
