@@ -160,8 +160,8 @@ def _ptdp_check(dp, pp, tp, schedule, zero):
                           tp_group=state.tp_group)
     params = list(parts[state.pp_rank].parameters())
     scaler = GradScaler("cpu", **PTDP_SCALER)
-    pipeline = build_schedule(schedule, stage, M, loss_fn=lambda logits, labels: gpt_loss(logits, labels, state.tp_group),
-                              grad_scaler=scaler)
+    loss_fn = lambda logits, labels: gpt_loss(logits, labels, state.tp_group)  # noqa: E731
+    pipeline = build_schedule(schedule, stage, M, loss_fn=loss_fn, grad_scaler=scaler)
     optimizer = DistributedOptimizer(params, torch.optim.AdamW, state, zero=zero, max_norm=MAX_NORM,
                                      accumulations_per_step=M, bucket_bytes=2048, grad_scaler=scaler, lr=LR)
     tokens, labels = _data()

@@ -9,5 +9,5 @@ from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.optimizer import DistributedOptimizer
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
-__all__ += ["clip_grad_norm_", "global_grad_norm", "GradReducer", "ZeroRedundancyOptimizer", "finalize_grads", "DistributedOptimizer",
-            "GradScaler"]
+__all__ += ["clip_grad_norm_", "global_grad_norm", "GradReducer", "ZeroRedundancyOptimizer", "finalize_grads",
+            "DistributedOptimizer", "GradScaler"]
