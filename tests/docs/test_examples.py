@@ -106,3 +106,12 @@ def test_example_trains_and_writes_its_trace(tmp_path, script):
     trace = json.loads((out / "trace.json").read_text())
     assert {event["pid"] for event in trace["traceEvents"]} == {0, 1, 2, 3}  # every rank's timeline, one file
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_llama_demo_trains_under_fp16_loss_scaling(tmp_path):
+    output = run([os.path.join(ROOT, "examples", "train_llama.py"), "--fp16", "--steps", "4", "--out",
+                  str(tmp_path / "run")], tmp_path, nproc=4)
+    found = losses(output)
+    assert sorted(found) == [1, 2, 3, 4] and found[4] < found[1], output[-2000:]
+    scales = re.findall(r"loss-scale (\d+)", output)
+    assert len(scales) == 4 and all(float(s) >= 1 for s in scales), output[-2000:]
