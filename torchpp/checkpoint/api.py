@@ -97,7 +97,8 @@ def save_checkpoint(
         model: the module this rank holds, or {global name: parameter} for a pipeline stage
             (see stage_parameters), so names are those of the unsharded model.
         optimizer: a torch.optim optimizer, or a torchpp ZeroRedundancyOptimizer or
-            DistributedOptimizer, over `model`.
+            DistributedOptimizer, over `model` (with post_validate, its pending update is
+            validated first: ``flush()``).
         extra: any picklable object, equal on every rank (data position, LR scheduler state).
         state: the parallel layout (default: the one from torchpp.init_parallel).
         grad_scaler: an fp16 loss scaler (torch.amp.GradScaler); default: the optimizer's, if
@@ -107,6 +108,8 @@ def save_checkpoint(
         The committed checkpoint directory.
     """
     state = state or get_parallel_state()
+    if getattr(optimizer, "post_validate", False):
+        optimizer.flush()  # a speculative update is validated (and redone if need be) before it is saved
     params = named_parameters(model)
     entries = _model_entries(params, state)
     chunked: Dict[str, ChunkedTensor] = {}

@@ -23,6 +23,19 @@ def _counted_here(param: torch.Tensor, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def local_squared_norm(grads_and_params: Iterable[Tuple[torch.Tensor, torch.Tensor]], tp_rank: int) -> torch.Tensor:
+    """This rank's share of the global sum of squares (float64), each element counted once."""
+    total = None
+    for grad, param in grads_and_params:
+        if grad is None or not _counted_here(param, tp_rank):
+            continue
+        squared = grad.detach().float().pow(2).sum()
+        total = squared if total is None else total + squared
+    if total is None:
+        total = torch.zeros((), dtype=torch.float32)
+    return total.to(torch.float64)
+
+
 def global_grad_norm(
     grads_and_params: Iterable[Tuple[torch.Tensor, torch.Tensor]],
     tp_rank: int,
@@ -35,26 +48,31 @@ def global_grad_norm(
         tp_rank: this rank's TP rank (replicated parameters count on TP rank 0 only).
         group: the group to sum over (model-parallel group, or the world under ZeRO-1).
     """
-    total = None
-    for grad, param in grads_and_params:
-        if grad is None or not _counted_here(param, tp_rank):
-            continue
-        squared = grad.detach().float().pow(2).sum()
-        total = squared if total is None else total + squared
-    if total is None:
-        total = torch.zeros((), dtype=torch.float32)
-    total = total.to(torch.float64)
+    total = local_squared_norm(grads_and_params, tp_rank)
     if group is not None and group.size() > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
-def clip_grads_(grads: List[torch.Tensor], total_norm: torch.Tensor, max_norm: float, eps: float = 1e-6) -> None:
-    """Scales `grads` in place by min(1, max_norm / (total_norm + eps)), like torch's clip_grad_norm_."""
-    scale = (max_norm / (total_norm + eps)).clamp(max=1.0)
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """min(1, max_norm / (total_norm + eps)), as torch's clip_grad_norm_ computes it."""
+    return (max_norm / (total_norm + eps)).clamp(max=1.0)
+
+
+def clip_grads_(grads: List[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scales `grads` in place by clip_coefficient(total_norm, max_norm)."""
+    scale = clip_coefficient(total_norm, max_norm)
     for grad in grads:
         if grad is not None:
             grad.mul_(scale.to(grad.dtype))
+
+
+def norm_inputs(parameters: Iterable[torch.nn.Parameter], state, zero_optimizer=None):
+    """The (gradient, parameter) pairs this rank counts in the global norm, and the group to sum over."""
+    if zero_optimizer is not None:
+        pairs = [(s.shard_view.grad, s.param) for s in zero_optimizer.segments]
+        return pairs, dist.group.WORLD if dist.get_world_size() > 1 else None
+    return [(p.grad, p) for p in parameters], state.model_parallel_group
 
 
 def clip_grad_norm_(
@@ -76,12 +94,7 @@ def clip_grad_norm_(
     from torchpp.parallel.groups import get_parallel_state
 
     state = state or get_parallel_state()
-    if zero_optimizer is not None:
-        pairs = [(s.shard_view.grad, s.param) for s in zero_optimizer.segments]
-        group = dist.group.WORLD if dist.get_world_size() > 1 else None
-    else:
-        pairs = [(p.grad, p) for p in parameters]
-        group = state.model_parallel_group
+    pairs, group = norm_inputs(parameters, state, zero_optimizer)
     total = global_grad_norm(pairs, state.tp_rank, group)
     clip_grads_([g for g, _ in pairs], total, max_norm)
     return total

@@ -11,10 +11,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from torchpp.parallel.clip import clip_grad_norm_
+from torchpp.parallel.clip import clip_coefficient, clip_grad_norm_, clip_grads_, local_squared_norm, norm_inputs
 from torchpp.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.groups import ParallelState, get_parallel_state
+from torchpp.parallel.post_validation import SpeculativeStep
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
 
@@ -35,6 +36,11 @@ class DistributedOptimizer:
             before clipping, skips the update on every rank if any rank found an inf or NaN,
             and updates the scale. Give the same scaler to the pipeline schedule, which
             scales the losses' backward seeds.
+        post_validate: update without waiting for the global norm (the zero-bubble paper's
+            optimizer post-validation; needs max_norm): step() updates as if no clipping were
+            needed while the norm's all-reduce runs, and the next step() (or flush()) checks
+            it; if clipping was needed, the update is redone clipped and ``rerun`` is set: the
+            batch just computed came from the speculative parameters and must run again.
         **optimizer_kwargs: passed to optimizer_class (lr, weight_decay, ...).
 
     Call zero_grad() before a step's backward passes and step() after them.
@@ -52,6 +58,7 @@ class DistributedOptimizer:
         hold: Iterable[torch.nn.Parameter] = (),
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         grad_scaler: Optional[GradScaler] = None,
+        post_validate: bool = False,
         **optimizer_kwargs,
     ):
         if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
@@ -59,6 +66,11 @@ class DistributedOptimizer:
                             f"{type(grad_scaler).__module__}.{type(grad_scaler).__name__}: each rank sees only its "
                             f"own gradients, and a scaler that does not agree on inf/NaN over the ranks lets one "
                             f"rank skip a step the others take")
+        if post_validate and max_norm is None:
+            raise ValueError("DistributedOptimizer: post_validate=True validates clipping and needs max_norm")
+        if post_validate and grad_scaler is not None:
+            raise NotImplementedError("DistributedOptimizer: post_validate=True with a grad_scaler is not supported: the "
+                                      "inf/NaN verdict decides the scale of the next step's loss, so it cannot wait")
         self.state = state or get_parallel_state()
         self.params = [p for p in params if p.requires_grad]
         self.max_norm = max_norm
@@ -73,6 +85,15 @@ class DistributedOptimizer:
         self.grad_scaler = grad_scaler
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.last_step_skipped = False
+        self.post_validate = post_validate
+        self.rerun = False  # post_validate: the last step() rolled back its predecessor; run the batch again
+        self.redone_steps = 0  # post_validate: updates redone clipped so far
+        self._speculative: Optional[SpeculativeStep] = None
+
+    @property
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch.optim optimizer whose param_groups hold what is updated (ZeRO: the shards)."""
+        return self.optimizer.optimizer if self.zero else self.optimizer
 
     def zero_grad(self) -> None:
         (self.optimizer if self.zero else self.reducer).zero_grad()
@@ -84,6 +105,8 @@ class DistributedOptimizer:
             self.optimizer.reduce_scatter_grads()
         else:
             self.reducer.finish()
+        if self.post_validate:
+            return self._speculative_step()
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # ZeRO's param_groups hold this rank's gradient shards
@@ -101,6 +124,37 @@ class DistributedOptimizer:
             scaler.update()
         self.last_grad_norm = norm
         return norm
+
+    def _speculative_step(self) -> Optional[torch.Tensor]:
+        """post_validate: settles the previous update, then updates unclipped while this step's
+        norm is all-reduced in the background; returns the previous step's global norm."""
+        self.rerun = self.flush()
+        if self.rerun:  # this batch's gradients came from parameters that were just rolled back
+            return self.last_grad_norm
+        pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
+        self._speculative = SpeculativeStep(self._torch_optimizer, local_squared_norm(pairs, self.state.tp_rank), group)
+        # Unclipped equals clipped whenever the clip coefficient is 1, which flush() checks.
+        self.optimizer.step(**({"grads_reduced": True} if self.zero else {}))
+        return self.last_grad_norm
+
+    def flush(self) -> bool:
+        """post_validate: checks the pending speculative update against the global norm (waiting
+        for its all-reduce) and, if it should have been clipped, redoes it clipped. Call it
+        before evaluating, saving or stopping. Returns whether the update was redone."""
+        pending, self._speculative = self._speculative, None
+        if pending is None:
+            return False
+        norm = pending.global_norm()
+        self.last_grad_norm = norm
+        if clip_coefficient(norm, self.max_norm).item() == 1.0:
+            return False
+        optimizer = self._torch_optimizer
+        current_grads = pending.rewind(optimizer)
+        clip_grads_([t.grad for t in pending.tensors], norm, self.max_norm)
+        self.optimizer.step(**({"grads_reduced": True} if self.zero else {}))
+        pending.restore_grads(current_grads)
+        self.redone_steps += 1
+        return True
 
     def state_dict(self):
         return self.optimizer.state_dict()
