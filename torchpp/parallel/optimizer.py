@@ -15,7 +15,7 @@ from torchpp.parallel.clip import clip_coefficient, clip_grad_norm_, clip_grads_
 from torchpp.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.groups import ParallelState, get_parallel_state
-from torchpp.parallel.post_validation import SpeculativeStep
+from torchpp.parallel.post_validation import BackupBuffers, SpeculativeStep
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
 
@@ -89,6 +89,7 @@ class DistributedOptimizer:
         self.rerun = False  # post_validate: the last step() rolled back its predecessor; run the batch again
         self.redone_steps = 0  # post_validate: updates redone clipped so far
         self._speculative: Optional[SpeculativeStep] = None
+        self._backups = BackupBuffers()
 
     @property
     def _torch_optimizer(self) -> torch.optim.Optimizer:
@@ -132,7 +133,8 @@ class DistributedOptimizer:
         if self.rerun:  # this batch's gradients came from parameters that were just rolled back
             return self.last_grad_norm
         pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
-        self._speculative = SpeculativeStep(self._torch_optimizer, local_squared_norm(pairs, self.state.tp_rank), group)
+        self._speculative = SpeculativeStep(self._torch_optimizer, local_squared_norm(pairs, self.state.tp_rank), group,
+                                            self._backups)
         # Unclipped equals clipped whenever the clip coefficient is 1, which flush() checks.
         self.optimizer.step(**({"grads_reduced": True} if self.zero else {}))
         return self.last_grad_norm

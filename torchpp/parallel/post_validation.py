@@ -11,11 +11,33 @@ roll back together, and the trajectory is exactly the synchronous one.
 """
 from __future__ import annotations
 
-import copy
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class BackupBuffers:
+    """Copies of tensors into buffers allocated once and reused every step (a fresh allocation
+    per step would page-fault its way through as much memory as the model's state)."""
+
+    def __init__(self):
+        self._buffers: Dict[str, List[Optional[torch.Tensor]]] = {}
+
+    def copy(self, name: str, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        old = self._buffers.get(name, [])
+        kept = []
+        for k, tensor in enumerate(tensors):
+            if tensor is None:
+                kept.append(None)
+                continue
+            buffer = old[k] if k < len(old) else None
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            kept.append(buffer.copy_(tensor.detach()))
+        self._buffers[name] = kept
+        return kept
 
 
 class SpeculativeStep:
@@ -23,11 +45,13 @@ class SpeculativeStep:
     state it started from, and the in-flight all-reduce of the gradients' squared norm."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, squared_norm: torch.Tensor,
-                 group: Optional[dist.ProcessGroup]):
+                 group: Optional[dist.ProcessGroup], buffers: BackupBuffers):
         self.tensors: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
-        self.params = [p.detach().clone() for p in self.tensors]
-        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in self.tensors]
-        self.optimizer_state = copy.deepcopy(optimizer.state_dict())
+        self.params = buffers.copy("params", self.tensors)
+        self.grads = buffers.copy("grads", [p.grad for p in self.tensors])
+        leaves, self._state_spec = tree_flatten(optimizer.state_dict())
+        tensors = buffers.copy("state", [x if isinstance(x, torch.Tensor) else None for x in leaves])
+        self._state_leaves = [t if isinstance(x, torch.Tensor) else x for x, t in zip(leaves, tensors)]
         self.squared_norm = squared_norm
         self.work = dist.all_reduce(squared_norm, group=group, async_op=True) if group is not None else None
 
@@ -43,7 +67,9 @@ class SpeculativeStep:
         (param-group options, which an LR scheduler may have moved since, stay current);
         returns the gradients that were there, for ``restore_grads``."""
         options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        optimizer.load_state_dict(self.optimizer_state)
+        # Clones: load_state_dict keeps the tensors it is given, and the buffers are reused.
+        leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in self._state_leaves]
+        optimizer.load_state_dict(tree_unflatten(leaves, self._state_spec))
         for group, current in zip(optimizer.param_groups, options):
             group.update(current)
         current_grads = []
@@ -53,7 +79,7 @@ class SpeculativeStep:
             if grad is None:
                 tensor.grad = None
             elif tensor.grad is None:
-                tensor.grad = grad
+                tensor.grad = grad.clone()
             else:  # in place: gradients may be views of data-parallel buckets
                 tensor.grad.copy_(grad)
         return current_grads
