@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline_checks import TOLERANCES, build_pipeline, config_results, local_last_microbatches, run_configs
+from pipeline_checks import (TOLERANCES, build_pipeline, config_results, local_last_microbatches, record_mismatch,
+                             run_configs)
 from pipeline_models import lm_loss, make_batches
 from torchpp.parallel import DistributedOptimizer, GradScaler
 from torchpp.pipeline import Schedule1F1B
@@ -33,15 +34,6 @@ TOL = TOLERANCES[torch.float32]
 
 def _fp16():
     return torch.autocast("cpu", dtype=torch.float16)
-
-
-def _compare(mismatches, actual, expected, what):
-    """Records a mismatch instead of raising: a rank that left the loop early would leave the
-    other in its next step, waiting for messages until the timeout."""
-    try:
-        torch.testing.assert_close(actual, expected, **TOL)
-    except AssertionError as error:
-        mismatches.append(f"{what}: {error}")
 
 
 def _pipeline_check(name, pp_group):
@@ -71,7 +63,8 @@ def _pipeline_check(name, pp_group):
             ref_losses.append(loss.detach())
             ref_scaler.scale(loss * weight).backward()
         if mine:  # the schedule reports unscaled losses
-            _compare(mismatches, torch.stack(losses), torch.stack([ref_losses[k] for k in mine]), f"step {step} losses")
+            record_mismatch(mismatches, torch.stack(losses), torch.stack([ref_losses[k] for k in mine]),
+                            f"step {step} losses", **TOL)
         if step == PLANT_STEP:
             ref_params[planted].grad[0, 0] = float("inf")
             for prm in params:
@@ -82,13 +75,15 @@ def _pipeline_check(name, pp_group):
         skipped = scaler.found_inf(optimizer)
         if not skipped:  # unscaled gradients, as one process has them
             for prm in params:
-                _compare(mismatches, prm.grad, ref_params[names[id(prm)]].grad, f"step {step} {names[id(prm)]}.grad")
+                record_mismatch(mismatches, prm.grad, ref_params[names[id(prm)]].grad,
+                                f"step {step} {names[id(prm)]}.grad", **TOL)
         scaler.step(optimizer)
         ref_scaler.step(ref_optimizer)
         scaler.update()
         ref_scaler.update()
         for prm in params:
-            _compare(mismatches, prm.detach(), ref_params[names[id(prm)]].detach(), f"step {step} {names[id(prm)]}")
+            record_mismatch(mismatches, prm.detach(), ref_params[names[id(prm)]].detach(),
+                            f"step {step} {names[id(prm)]}", **TOL)
         skips.append(skipped)
         scales.append((scaler.get_scale(), ref_scaler.get_scale()))
     return {"skips": skips, "scales": scales, "mismatches": mismatches}
@@ -128,23 +123,12 @@ def _data():
 
 def _reference_losses():
     """One process, fp32, full batch: clip and AdamW, skipping step SKIPPED_STEP."""
-    from torchpp.models.gpt import gpt_loss
-    from tp_reference import singleton_group
+    from tp_reference import singleton_group, train_reference
 
     alone = singleton_group()
-    model = _gpt(False, alone)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens, labels = _data()
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = gpt_loss(model(tokens), labels, alone)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        if step != SKIPPED_STEP:
-            optimizer.step()
-        losses.append(loss.detach())
-    return torch.stack(losses)
+    model = _gpt(False, alone)
+    return train_reference(model, tokens, labels, alone, STEPS, LR, MAX_NORM, skip_steps=(SKIPPED_STEP,))[0]
 
 
 def _ptdp_check(dp, pp, tp, schedule, zero):
@@ -181,7 +165,7 @@ def _ptdp_check(dp, pp, tp, schedule, zero):
         if last:
             step_loss = torch.stack(losses).mean()
             dist.all_reduce(step_loss, group=state.dp_group)
-            _compare(mismatches, step_loss / dp, reference[step], f"step {step} loss")
+            record_mismatch(mismatches, step_loss / dp, reference[step], f"step {step} loss", **TOL)
     return {"skips": skips, "scales": scales, "mismatches": mismatches}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_checks import TOLERANCES, build_pipeline, config_results, run_configs
+from pipeline_checks import TOLERANCES, build_pipeline, config_results, record_mismatch, run_configs
 from pipeline_models import lm_loss, make_batches
 
 M = 4
@@ -27,10 +27,8 @@ def _accumulate(name, pp_group):
     names = {id(p): n for n, p in model.named_parameters()}
     mismatches = []
     for prm in params:
-        try:
-            torch.testing.assert_close(prm.grad, ref_params[names[id(prm)]].grad, **TOLERANCES[torch.float64])
-        except AssertionError as error:
-            mismatches.append(f"{names[id(prm)]}: {error}")
+        record_mismatch(mismatches, prm.grad, ref_params[names[id(prm)]].grad, names[id(prm)],
+                        **TOLERANCES[torch.float64])
     return mismatches
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline_checks import TOLERANCES
+from pipeline_checks import TOLERANCES, record_mismatch
 
 BATCH, M, STEPS, LR = 8, 4, 6, 1e-2
 # Between the gradient norms of this run's steps, so that some clip and some do not (asserted).
@@ -89,10 +89,7 @@ def _check(dp, pp, tp, schedule, zero, checkpoint):
     mismatches = []
     for what, got, want in [("losses", losses, sync_losses), ("params", params, sync_params)]:
         for k, (a, b) in enumerate(zip(got, want)):
-            try:
-                torch.testing.assert_close(a, b, **TOL)
-            except AssertionError as error:
-                mismatches.append(f"{what}[{k}]: {error}")
+            record_mismatch(mismatches, a, b, f"{what}[{k}]", **TOL)
     clipped = sum(n > MAX_NORM for n in norms)
     return {"mismatches": mismatches, "norms": norms, "speculative_norms": speculative_norms, "clipped": clipped,
             "redone": redone, "grads_kept": grads_kept}

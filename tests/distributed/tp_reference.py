@@ -68,18 +68,20 @@ def singleton_group():
     return dist.new_subgroups(group_size=1)[0]
 
 
-def train_reference(model, tokens, labels, group, steps, lr, max_norm):
-    """One-process AdamW training on the full batch with torch's own clipping; returns the
-    per-step losses and the optimizer (GPT-style models whose loss is gpt_loss)."""
+def train_reference(model, tokens, labels, group, steps, lr, max_norm, skip_steps=()):
+    """One-process AdamW training on the full batch with torch's own clipping (no update in
+    ``skip_steps``); returns the per-step losses and the optimizer (GPT-style models whose
+    loss is gpt_loss)."""
     from torchpp.models.gpt import gpt_loss
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
         optimizer.zero_grad()
         loss = gpt_loss(model(tokens), labels, group)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
+        if step not in skip_steps:
+            optimizer.step()
         losses.append(loss.detach())
     return torch.stack(losses), optimizer
