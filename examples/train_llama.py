@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 8 examples/train_llama.py            # pp=2 x tp=2 x dp=2
     torchrun --nproc-per-node 4 examples/train_llama.py --zero --schedule interleaved-1f1b
     torchrun --nproc-per-node 4 examples/train_llama.py --fp16     # fp16 autocast, dynamic loss scaling
+    torchrun --nproc-per-node 4 examples/train_llama.py --fp16 --post-validate   # no wait for norm/inf checks
 
 The model is a random tiny LlamaForCausalLM (no download). torchpp.models.parallelize shards
 it over tp (Column/RowParallelLinear, vocab-parallel embedding and loss) and cuts its decoder
@@ -43,6 +44,10 @@ def parse_args():
     precision.add_argument("--bf16", action="store_true", help="mixed precision: the step under torch.autocast(bf16)")
     precision.add_argument("--fp16", action="store_true",
                            help="mixed precision: torch.autocast(fp16) with dynamic loss scaling (GradScaler)")
+    parser.add_argument("--post-validate", action="store_true",
+                        help="optimizer post-validation: update without waiting for the global norm (and the fp16 "
+                             "inf check); an update that should have been clipped or skipped is redone and the "
+                             "batch after it runs again")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--seq", type=int, default=32)
@@ -89,6 +94,7 @@ def main():
     model_parallel_manual_seed(args.seed, tp_rank=state.tp_rank, pp_rank=state.pp_rank)
     optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, zero=args.zero, max_norm=1.0,
                                      accumulations_per_step=args.microbatches, lr=args.lr, grad_scaler=scaler,
+                                     post_validate=args.post_validate,
                                      hold=[model.tied_weight] if model.tied_weight is not None else [])
     data = torch.Generator().manual_seed(args.seed + state.dp_rank)  # each replica its own data
     local_batch = args.batch // state.dp
@@ -96,24 +102,37 @@ def main():
     if rank == 0:
         print(f"world={dist.get_world_size()} tp={state.tp} pp={state.pp} dp={state.dp} schedule={args.schedule} "
               f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} bf16={args.bf16} "
-              f"fp16={args.fp16} params/rank={sum(p.numel() for p in model.parameters())}", flush=True)
+              f"fp16={args.fp16} post_validate={args.post_validate} "
+              f"params/rank={sum(p.numel() for p in model.parameters())}", flush=True)
     bar = tqdm(range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step")
+    reruns = 0
     for step in bar:
         start = time.perf_counter()
         ids = progression_batch(data, local_batch, args.seq, config.vocab_size).to(state.device)
-        optimizer.zero_grad()
-        with torch.autocast(state.device.type, dtype=torch.float16 if args.fp16 else torch.bfloat16,
-                            enabled=args.bf16 or args.fp16):
-            loss = model.step(ids if model.has_first_stage else None, labels=ids if model.has_last_stage else None)
-        norm = optimizer.step()
+        while True:  # post-validation re-runs a batch computed from an update it then undid
+            optimizer.zero_grad()
+            with torch.autocast(state.device.type, dtype=torch.float16 if args.fp16 else torch.bfloat16,
+                                enabled=args.bf16 or args.fp16):
+                loss = model.step(ids if model.has_first_stage else None,
+                                  labels=ids if model.has_last_stage else None)
+            norm = optimizer.step()  # post-validation: the previous step's norm (None at first)
+            if not optimizer.rerun:
+                break
+            reruns += 1
         value = step_loss(model, loss, state)
         tokens_per_s = args.batch * args.seq / (time.perf_counter() - start)
         if rank == 0:
             bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_s:.0f}")
             scale = f"  loss-scale {scaler.get_scale():.0f}{' (skipped)' if optimizer.last_step_skipped else ''}" \
-                if args.fp16 else ""
-            tqdm.write(f"step {step:3d}  loss {value:.4f}  grad-norm {norm.item():.3f}{scale}  "
+                if args.fp16 and not args.post_validate else ""
+            if args.post_validate:
+                scale = f"  loss-scale {scaler.get_scale():.0f}" if args.fp16 else ""
+                scale += f"  re-runs {reruns}"
+            grad_norm = "pending" if norm is None else f"{norm.item():.3f}"
+            tqdm.write(f"step {step:3d}  loss {value:.4f}  grad-norm {grad_norm}{scale}  "
                        f"tokens/s {tokens_per_s:7.0f}")
+    if args.post_validate:
+        optimizer.flush()  # settles the last update
 
     if model.schedule is not None:
         os.makedirs(args.out, exist_ok=True)

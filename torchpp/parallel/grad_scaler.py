@@ -9,10 +9,12 @@ rank skips together and keeps the same scale.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from collections import defaultdict
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -51,6 +53,34 @@ class GradScaler(torch.amp.GradScaler):
         if not per_device:  # no gradients here: the verdict still has to reach step() and update()
             per_device[agreed.device] = agreed
         return per_device
+
+    def unscale_locally_(self, optimizer) -> torch.Tensor:
+        """Unscales the optimizer's gradients in place and returns this rank's own inf/NaN flag
+        (a float32 scalar, not agreed yet): post-validation agrees it in the background."""
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        inv_scale = scale.double().reciprocal().float()  # in float64, as torch's unscale_
+        template = torch.zeros((), dtype=torch.float32, device=scale.device)
+        local = torch.zeros((), dtype=torch.float32, device=scale.device)
+        for flag in torch.amp.GradScaler._unscale_grads_(self, optimizer, inv_scale, template, False).values():
+            local += flag.to(local.device)
+        return local
+
+    def snapshot(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the scale and growth tracker, for ``restore``."""
+        return tuple(t.clone() for t in self._check_scale_growth_tracker("snapshot"))
+
+    def restore(self, snapshot: Tuple[torch.Tensor, torch.Tensor]) -> None:
+        for tensor, saved in zip(self._check_scale_growth_tracker("restore"), snapshot):
+            tensor.copy_(saved)
+
+    def update_from(self, found_inf: torch.Tensor) -> None:
+        """update() with the verdict given rather than collected by step(): post-validation
+        updates as if nothing overflowed and, if the agreed verdict says otherwise, restores
+        the snapshot and updates again with it."""
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        torch._amp_update_scale_(scale, growth_tracker, found_inf.to(scale.device, torch.float32),
+                                 self._growth_factor, self._backoff_factor, self._growth_interval)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def found_inf(self, optimizer) -> bool:
         """Whether the agreed check since the last update() found an inf or NaN (the step is skipped)."""

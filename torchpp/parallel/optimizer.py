@@ -41,6 +41,10 @@ class DistributedOptimizer:
             needed while the norm's all-reduce runs, and the next step() (or flush()) checks
             it; if clipping was needed, the update is redone clipped and ``rerun`` is set: the
             batch just computed came from the speculative parameters and must run again.
+            With a grad_scaler the inf/NaN check waits too: the update and the scale's update
+            assume no overflow, and an overflow found later undoes the update (the skip),
+            backs the scale off and sets ``rerun`` (and ``last_step_skipped``, which then
+            describes the update that step() or flush() settled).
         **optimizer_kwargs: passed to optimizer_class (lr, weight_decay, ...).
 
     Call zero_grad() before a step's backward passes and step() after them.
@@ -68,9 +72,6 @@ class DistributedOptimizer:
                             f"rank skip a step the others take")
         if post_validate and max_norm is None:
             raise ValueError("DistributedOptimizer: post_validate=True validates clipping and needs max_norm")
-        if post_validate and grad_scaler is not None:
-            raise NotImplementedError("DistributedOptimizer: post_validate=True with a grad_scaler is not supported: the "
-                                      "inf/NaN verdict decides the scale of the next step's loss, so it cannot wait")
         self.state = state or get_parallel_state()
         self.params = [p for p in params if p.requires_grad]
         self.max_norm = max_norm
@@ -96,6 +97,9 @@ class DistributedOptimizer:
         """The torch.optim optimizer whose param_groups hold what is updated (ZeRO: the shards)."""
         return self.optimizer.optimizer if self.zero else self.optimizer
 
+    def _active_scaler(self) -> Optional[GradScaler]:
+        return self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+
     def zero_grad(self) -> None:
         (self.optimizer if self.zero else self.reducer).zero_grad()
 
@@ -108,7 +112,7 @@ class DistributedOptimizer:
             self.reducer.finish()
         if self.post_validate:
             return self._speculative_step()
-        scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+        scaler = self._active_scaler()
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # ZeRO's param_groups hold this rank's gradient shards
         norm = None
@@ -132,22 +136,34 @@ class DistributedOptimizer:
         self.rerun = self.flush()
         if self.rerun:  # this batch's gradients came from parameters that were just rolled back
             return self.last_grad_norm
+        scaler = self._active_scaler()
+        found_inf = scaler.unscale_locally_(self.optimizer) if scaler is not None else None  # agreed in flush()
         pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
         self._speculative = SpeculativeStep(self._torch_optimizer, local_squared_norm(pairs, self.state.tp_rank), group,
-                                            self._backups)
+                                            self._backups, scaler, found_inf)
         # Unclipped equals clipped whenever the clip coefficient is 1, which flush() checks.
         self.optimizer.step(**({"grads_reduced": True} if self.zero else {}))
+        if scaler is not None:
+            scaler.update_from(torch.zeros((), dtype=torch.float32))  # no overflow, as flush() checks
         return self.last_grad_norm
 
     def flush(self) -> bool:
-        """post_validate: checks the pending speculative update against the global norm (waiting
-        for its all-reduce) and, if it should have been clipped, redoes it clipped. Call it
-        before evaluating, saving or stopping. Returns whether the update was redone."""
+        """post_validate: checks the pending speculative update against the global norm and the
+        inf/NaN check (waiting for their all-reduces); if it should have been clipped, redoes it
+        clipped, and if it should have been skipped, undoes it and backs the scale off. Call it
+        before evaluating, saving or stopping. Returns whether the update was redone or undone."""
         pending, self._speculative = self._speculative, None
         if pending is None:
             return False
         norm = pending.global_norm()
         self.last_grad_norm = norm
+        self.last_step_skipped = pending.found_inf()
+        if self.last_step_skipped:  # the synchronous step would have skipped the update
+            pending.restore_grads(pending.rewind(self._torch_optimizer))
+            if self.zero:
+                self.optimizer.all_gather_params()  # the other shards' rewound values
+            pending.back_off_scale()
+            return True
         if clip_coefficient(norm, self.max_norm).item() == 1.0:
             return False
         optimizer = self._torch_optimizer

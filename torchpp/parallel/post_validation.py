@@ -8,6 +8,11 @@ at the next step. Clipping rarely triggers in stable training; when it does, the
 rolled back from a copy and redone with the clipped gradients, and the batch whose gradients
 came from the speculative parameters runs again. Every rank reaches the same verdict, so they
 roll back together, and the trajectory is exactly the synchronous one.
+
+With fp16 loss scaling the inf/NaN check is post-validated the same way: the update and the
+scale's update assume no overflow while the check is all-reduced, and an overflow found later
+undoes the update (the synchronous step would have been skipped), backs the scale off and
+runs the next batch again, with the parameters and the scale it should have had.
 """
 from __future__ import annotations
 
@@ -42,10 +47,12 @@ class BackupBuffers:
 
 class SpeculativeStep:
     """What undoes one speculative update: copies of the parameters, gradients and optimizer
-    state it started from, and the in-flight all-reduce of the gradients' squared norm."""
+    state it started from (and the loss scale's), and the in-flight all-reduces of the
+    gradients' squared norm (and of the inf/NaN flag)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, squared_norm: torch.Tensor,
-                 group: Optional[dist.ProcessGroup], buffers: BackupBuffers):
+                 group: Optional[dist.ProcessGroup], buffers: BackupBuffers,
+                 grad_scaler=None, found_inf: Optional[torch.Tensor] = None):
         self.tensors: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.params = buffers.copy("params", self.tensors)
         self.grads = buffers.copy("grads", [p.grad for p in self.tensors])
@@ -54,12 +61,32 @@ class SpeculativeStep:
         self._state_leaves = [t if isinstance(x, torch.Tensor) else x for x, t in zip(leaves, tensors)]
         self.squared_norm = squared_norm
         self.work = dist.all_reduce(squared_norm, group=group, async_op=True) if group is not None else None
+        self.grad_scaler, self._found_inf, self._inf_work = grad_scaler, found_inf, None
+        if grad_scaler is not None:
+            self._scale_before = grad_scaler.snapshot()
+            if dist.is_initialized() and dist.get_world_size(grad_scaler.group) > 1:
+                self._inf_work = dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=grad_scaler.group,
+                                                 async_op=True)
 
     def global_norm(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
         return self.squared_norm.sqrt()
+
+    def found_inf(self) -> bool:
+        """Whether any rank's gradients held an inf or NaN (the update must not have happened)."""
+        if self._found_inf is None:
+            return False
+        if self._inf_work is not None:
+            self._inf_work.wait()
+            self._inf_work = None
+        return bool(self._found_inf.item() > 0)
+
+    def back_off_scale(self) -> None:
+        """Replaces the scale's speculative update (no overflow) by the one for an overflow."""
+        self.grad_scaler.restore(self._scale_before)
+        self.grad_scaler.update_from(torch.ones((), dtype=torch.float32))
 
     @torch.no_grad()
     def rewind(self, optimizer: torch.optim.Optimizer) -> List[Optional[torch.Tensor]]:

@@ -133,10 +133,15 @@ class ZeroRedundancyOptimizer:
         if not grads_reduced:
             self.reduce_scatter_grads()
         loss = self.optimizer.step(closure)
+        self.all_gather_params()
+        return loss
+
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """Every rank's parameters from the shards their owners hold."""
         for flat in self.flat_groups:
             shard = flat.flat_param[flat.shard_lo : flat.shard_lo + flat.shard_size].clone()
             dist.all_gather_single(flat.flat_param, shard, group=self.dp_group)
-        return loss
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         del set_to_none  # gradients are views of flat buffers and must stay allocated
