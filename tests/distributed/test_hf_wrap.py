@@ -112,15 +112,17 @@ def check_vocab_padding():
     return True
 
 
-def check_pipeline_equivalence(kind, schedule, recompute, tied, inputs="plain"):
+def check_pipeline_equivalence(kind, schedule, recompute, tied, inputs="plain", sequence_parallel=False):
     state = torchpp.init_parallel(tp=2, pp=2)
     model = tiny_model(kind, tied=tied)
     reference = copy.deepcopy(model)
     ids, labels, mask, positions = inputs_of(inputs, model.config.vocab_size)
     _, ref_loss, ref_grads = reference_step(reference, ids, labels, mask, positions)
 
-    wrapped = parallelize(model, schedule=schedule, n_microbatches=4, recompute=recompute, state=state)
-    what = f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} inputs={inputs} rank={dist.get_rank()}"
+    wrapped = parallelize(model, schedule=schedule, n_microbatches=4, recompute=recompute,
+                          sequence_parallel=sequence_parallel, state=state)
+    what = (f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} inputs={inputs} sp={sequence_parallel} "
+            f"rank={dist.get_rank()}")
     return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what, attention_mask=mask,
                               position_ids=positions)
 
@@ -135,6 +137,9 @@ PIPELINES = (
     ("mistral", "interleaved-1f1b", "selective", False, "padded"),
     ("llama", "1f1b", None, False, "packed"),
     ("gpt2", "zb-h1", None, False, "packed"),
+    # Sequence parallelism: each TP rank sends its own sequence slice down the pipeline.
+    ("llama", "zb-h1", "selective", False, "padded", True),
+    ("gpt2", "interleaved-1f1b", None, True, "packed", True),
 )
 
 
@@ -193,8 +198,8 @@ def test_fp16_loss_scaling_through_parallelize_matches_unwrapped_to_fp16_precisi
 
 def check_all_pipelines():
     names = []
-    for kind, schedule, recompute, tied, inputs in PIPELINES:
-        names.append(check_pipeline_equivalence(kind, schedule, recompute, tied, inputs))
+    for case in PIPELINES:
+        names.append(check_pipeline_equivalence(*case))
     return names
 
 
@@ -212,7 +217,7 @@ def test_vocab_padding_embedding_and_cross_entropy(ranks):
 
 def test_pp2_tp2_pipeline_matches_unwrapped(ranks):
     per_rank = ranks(4).run(check_all_pipelines, timeout=TIMEOUT_S)
-    models = [(kind, tied) for kind, _, _, tied, _ in PIPELINES]
+    models = [(case[0], case[3]) for case in PIPELINES]
     assert all(len(names) == len(models) for names in per_rank)
     for case, (kind, tied) in enumerate(models):
         covered = set().union(*(set(names[case]) for names in per_rank))
