@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torchpp.parallel.grad_scaler import GradScaler
+
 
 class BackupBuffers:
     """Copies of tensors into buffers allocated once and reused every step (a fresh allocation
@@ -52,7 +54,7 @@ class SpeculativeStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, squared_norm: torch.Tensor,
                  group: Optional[dist.ProcessGroup], buffers: BackupBuffers,
-                 grad_scaler=None, found_inf: Optional[torch.Tensor] = None):
+                 grad_scaler: Optional[GradScaler] = None, found_inf: Optional[torch.Tensor] = None):
         self.tensors: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self.params = buffers.copy("params", self.tensors)
         self.grads = buffers.copy("grads", [p.grad for p in self.tensors])
