@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/train_llama.py            # pp=2 x tp=2, zb-h1
     torchrun --nproc-per-node 8 examples/train_llama.py            # pp=2 x tp=2 x dp=2
     torchrun --nproc-per-node 4 examples/train_llama.py --zero --schedule interleaved-1f1b
+    torchrun --nproc-per-node 4 examples/train_llama.py --schedule dualpipe --microbatches 4
     torchrun --nproc-per-node 4 examples/train_llama.py --fp16     # fp16 autocast, dynamic loss scaling
     torchrun --nproc-per-node 4 examples/train_llama.py --fp16 --post-validate   # no wait for norm/inf checks
 
@@ -66,10 +67,11 @@ def progression_batch(generator, batch, seq, vocab):
 
 def step_loss(model, loss, state):
     """The batch loss on every rank: held by the last stage, averaged over dp."""
-    value = torch.zeros((), device=state.device)
+    held = torch.zeros(2, device=state.device)  # (loss, 1) on ranks holding it, else zeros
     if model.has_last_stage and loss is not None:
-        value = loss.detach().reshape(()).to(state.device)
-    dist.all_reduce(value, group=state.pp_group)  # only the last stage holds a non-zero loss
+        held[0], held[1] = loss.detach().reshape(()), 1.0
+    dist.all_reduce(held, group=state.pp_group)  # the last stage's rank; DualPipe: both end ranks
+    value = held[0] / held[1]
     if state.tp > 1:
         value /= state.tp  # every TP rank of the last stage holds the same loss
         dist.all_reduce(value, group=state.tp_group)

@@ -55,6 +55,15 @@ PYBIND11_MODULE(_schedule, m) {
       .def_readonly("stage_to_rank", &Schedule::stage_to_rank)
       .def_readonly("is_lowered", &Schedule::lowered)
       .def("model_stage", &Schedule::model_stage)
+      .def("pipeline_of_stage", &Schedule::pipeline_of_stage)
+      .def(
+          "microbatches_of_pipeline",
+          [](const Schedule& s, int pipeline) {
+            std::vector<int> out;
+            for (int k = s.microbatch_begin(pipeline); k < s.microbatch_end(pipeline); ++k) out.push_back(k);
+            return out;
+          },
+          py::arg("pipeline"))
       .def("actions", &Schedule::action_strings, py::arg("rank"))
       .def(
           "lowered", [](const Schedule& s, bool in_order) { return in_order ? lower_in_order(s) : lower(s); },

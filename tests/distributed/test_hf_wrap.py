@@ -140,6 +140,9 @@ PIPELINES = (
     # Sequence parallelism: each TP rank sends its own sequence slice down the pipeline.
     ("llama", "zb-h1", "selective", False, "padded", True),
     ("gpt2", "interleaved-1f1b", None, True, "packed", True),
+    # DualPipe: each rank holds stages r and p-1-r, each stage is on two ranks, both ends hold the loss.
+    ("llama", "dualpipe", None, False, "padded"),
+    ("gpt2", "dualpipe", "selective", True, "plain"),
 )
 
 

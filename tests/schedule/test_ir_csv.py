@@ -1,5 +1,5 @@
 """Action strings and CSV files interchange with torch.distributed.pipelining; golden CSVs pin
-a few schedules."""
+a few schedules; each rank's loss microbatches follow from where the last stages are."""
 import csv
 import os
 
@@ -102,3 +102,16 @@ def test_empty_cells_are_idle_steps(tmp_path):
     with open(path, "w") as f:
         f.write("0F0,,,0B0\n")
     assert S.from_csv(path, num_ranks=1, num_microbatches=1).actions(0) == ["0F0", "0B0"]
+
+
+def test_loss_microbatches_are_those_of_each_rank_last_stages():
+    def per_rank(name):
+        sch = S.generate(name, num_ranks=4, num_microbatches=8)
+        return [sch.loss_microbatches(rank) for rank in range(4)]
+
+    everything = list(range(8))
+    assert per_rank("1f1b") == [[], [], [], everything]
+    assert per_rank("interleaved-1f1b") == [[], [], [], everything]
+    assert per_rank("zb-v") == [everything, [], [], []]  # the V ends where it starts
+    # DualPipe: pipeline 0 (first half of the batch) ends on rank 3, pipeline 1 on rank 0.
+    assert per_rank("dualpipe") == [[4, 5, 6, 7], [], [], [0, 1, 2, 3]]

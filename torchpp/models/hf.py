@@ -97,16 +97,19 @@ def layer_bounds(num_layers: int, num_stages: int, split: Optional[Sequence[int]
 
 
 def _placement(schedule: str, pp: int, n_microbatches: int, pp_rank: int):
-    """(number of model stages, model stages on this rank, pipeline rank of every model stage)."""
+    """(number of model stages, model stages on this rank, pipeline rank of every model stage,
+    number of pipelines). DualPipe's two pipelines hold every model stage twice: rank r holds
+    stages r and p-1-r, and a stage's rank is that of its pipeline-0 copy, which owns it."""
     if pp == 1:
-        return 1, [0], {0: 0}
+        return 1, [0], {0: 0}, 1
     from torchpp import schedule as S
 
     sch = S.generate(schedule, num_ranks=pp, num_microbatches=n_microbatches)
-    if sch.num_pipelines != 1:
-        raise NotImplementedError(f"torchpp.parallelize: schedule {schedule!r} (two pipelines) is not supported")
-    rank_of = {sch.model_stage(s): r for s, r in enumerate(sch.stage_to_rank)}
-    return sch.num_stages, sorted(m for m, r in rank_of.items() if r == pp_rank), rank_of
+    rank_of: Dict[int, int] = {}
+    for stage, rank in enumerate(sch.stage_to_rank):  # pipeline 0's stages come first
+        rank_of.setdefault(sch.model_stage(stage), rank)
+    mine = sorted({sch.model_stage(s) for s, r in enumerate(sch.stage_to_rank) if r == pp_rank})
+    return sch.num_stages // sch.num_pipelines, mine, rank_of, sch.num_pipelines
 
 
 def _resolve_state(state: Optional[ParallelState], tp_size: Optional[int], pp: Optional[int]) -> ParallelState:
@@ -138,7 +141,8 @@ class ParallelCausalLM(nn.Module):
     """
 
     def __init__(self, stages: List[CausalLMStage], stage_indices: List[int], state: ParallelState,
-                 ctx: ConversionContext, vocab_size: int, embedding_group: Optional[dist.ProcessGroup]):
+                 ctx: ConversionContext, vocab_size: int, embedding_group: Optional[dist.ProcessGroup],
+                 loss_group: Optional[dist.ProcessGroup] = None):
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.stage_indices = stage_indices
@@ -147,6 +151,7 @@ class ParallelCausalLM(nn.Module):
         self.vocab_size = vocab_size
         self.exports = ctx.exports
         self.embedding_group = embedding_group
+        self.loss_group = loss_group  # DualPipe: the two ranks whose last stages share the batch
         self.schedule = None
         self.grad_scaler = None  # fp16: scales each backward's loss seed (parallelize(grad_scaler=...))
         self._batch_rows = self._batch_tokens = 0
@@ -187,9 +192,10 @@ class ParallelCausalLM(nn.Module):
             input_ids: [b, s] tokens, on ranks holding the first stage.
             labels: [b, s] labels (HF convention: unshifted, -100 ignored), on ranks holding the
                 last stage.
-            losses: if a list, per-microbatch losses are appended (last-stage ranks); under a
-                pipeline each is its tokens' loss sum over the batch's labelled tokens, divided
-                by the microbatch's share of rows, so their share-weighted sum is the batch loss.
+            losses: if a list, per-microbatch losses are appended (last-stage ranks; under
+                DualPipe each end rank has its pipeline's half); under a pipeline each is its
+                tokens' loss sum over the batch's labelled tokens, divided by the microbatch's
+                share of rows, so their share-weighted sum is the batch loss.
             attention_mask: [b, s], 1 for tokens and 0 for padding, on ranks holding the first
                 stage; it travels down the pipeline with the hidden states. As in
                 transformers, it only hides keys: give padding the label -100.
@@ -199,7 +205,8 @@ class ParallelCausalLM(nn.Module):
                 in training).
 
         Returns:
-            The batch's mean loss on ranks holding the last stage, else None.
+            The batch's mean loss on ranks holding the last stage (DualPipe: both end
+            ranks), else None.
         """
         if self.schedule is None:
             loss = self.loss(self(input_ids, attention_mask, position_ids), labels)
@@ -250,8 +257,12 @@ class ParallelCausalLM(nn.Module):
         if not mine:
             return None
         # The schedule's weights make the microbatch losses add up to the batch's.
-        weights = loss_weights(split_microbatches(labels, len(mine)))
-        return sum(w * l for w, l in zip(weights, mine))
+        weights = loss_weights(split_microbatches(labels, self.schedule.num_microbatches))
+        computed_here = self.schedule.schedule.loss_microbatches(self.schedule.rank)
+        loss = sum(weights[k] * microbatch_loss for k, microbatch_loss in zip(computed_here, mine))
+        if self.loss_group is not None:  # DualPipe: each end rank computed its pipeline's half
+            dist.all_reduce(loss, group=self.loss_group)
+        return loss
 
     @property
     def tied_weight(self) -> Optional[nn.Parameter]:
@@ -294,8 +305,9 @@ class ParallelCausalLM(nn.Module):
         return out
 
 
-def _embedding_group(state: ParallelState, first_rank: int, last_rank: int) -> Optional[dist.ProcessGroup]:
-    """The group of the first and last pipeline ranks with this rank's (dp, tp) coordinates."""
+def _end_ranks_group(state: ParallelState, first_rank: int, last_rank: int) -> Optional[dist.ProcessGroup]:
+    """The group of two pipeline ranks (the first and last stages') with this rank's (dp, tp)
+    coordinates; collective: every rank creates every such group."""
     grid = rank_grid(state.tp, state.pp, state.dp, state.order)
     mine = None
     for d in range(state.dp):
@@ -341,7 +353,10 @@ def parallelize(
         tp: tensor-parallel size (default: the parallel state's).
         pp: pipeline-parallel size (default: the parallel state's).
         schedule: pipeline schedule name (torchpp.schedule.SCHEDULES) when pp > 1; zero-bubble
-            schedules split each linear's backward into B and W.
+            schedules split each linear's backward into B and W. DualPipe runs two pipelines
+            in opposite directions: rank r holds model stages r and p-1-r (the model twice
+            over the ranks), ``step`` sums each stage's gradients over its two ranks, the
+            gradient norm counts them once, and both end ranks hold the batch loss.
         n_microbatches: microbatches per step (default: pp).
         sequence_parallel: keep norms/dropout on sequence slices (Megatron-3).
         recompute: None, "full" (checkpoint each block) or "selective" (attention core only).
@@ -363,7 +378,7 @@ def parallelize(
     state = _resolve_state(state, tp, pp)
     _ensure_tp_rng(state)
     n_microbatches = n_microbatches or state.pp
-    num_stages, mine, rank_of = _placement(schedule, state.pp, n_microbatches, state.pp_rank)
+    num_stages, mine, rank_of, num_pipelines = _placement(schedule, state.pp, n_microbatches, state.pp_rank)
     ctx = ConversionContext(state.tp_group, sequence_parallel, recompute, split_bw=state.pp > 1)
     family = FAMILIES[model_type](model, ctx)
     if isinstance(split, str) and split == "auto":
@@ -381,17 +396,20 @@ def parallelize(
             rotary, sequence_parallel, ctx.tp_size, recompute,
         )
     first, last = 0, num_stages - 1
-    embedding_group = None
+    embedding_group = loss_group = None
     if family.tied:
-        if rank_of[first] == rank_of[last]:
+        if rank_of[first] == rank_of[last] or num_pipelines == 2:  # DualPipe: both ends hold both
             if first in built:  # one copy: the head reads the embedding's table
                 _tie(ctx.exports, built[last].head.output, built[first].embedding.tokens.weight)
         else:
-            embedding_group = _embedding_group(state, rank_of[first], rank_of[last])
+            embedding_group = _end_ranks_group(state, rank_of[first], rank_of[last])
             if last in built:  # after finish_grads both copies hold the same gradient: count it once
                 built[last].head.output.weight.shared_duplicate = True
+    if num_pipelines == 2:
+        loss_group = _end_ranks_group(state, rank_of[first], rank_of[last])
     stages = [built[i] for i in mine]
-    wrapped = ParallelCausalLM(stages, mine, state, ctx, family.vocab_size, embedding_group).to(state.device)
+    wrapped = ParallelCausalLM(stages, mine, state, ctx, family.vocab_size, embedding_group,
+                               loss_group).to(state.device)
     wrapped.grad_scaler = grad_scaler
     if state.pp > 1:
         from torchpp.pipeline import PipelineStage, build_schedule

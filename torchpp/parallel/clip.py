@@ -3,8 +3,8 @@
 Parameters sharded by TP (tensor_model_parallel) contribute their shard on every TP rank;
 parameters replicated over TP (norms, row-parallel biases) hold the same gradient on every
 TP rank, so only TP rank 0 counts them. Pipeline stages hold disjoint parameters, except
-copies flagged ``shared_duplicate`` (a tied output embedding on the last stage), which the
-stage holding the original counts. Without
+copies flagged ``shared_duplicate`` (a tied output embedding on the last stage; under
+DualPipe, the twin copy of another rank's stage), which the rank holding the original counts. Without
 ZeRO the data-parallel replicas hold identical (already averaged) gradients, so the sum runs
 over the model-parallel group (pp x tp); with ZeRO-1 each DP rank holds a disjoint shard, so
 it runs over the whole world.

@@ -78,7 +78,10 @@ class GradReducer:
             for param in bucket.params:
                 self._bucket_of[id(param)] = bucket
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_accumulated))
-        self._held = {id(p) for p in hold} | {id(p) for p in params if getattr(p, "sequence_parallel", False)}
+        # Gradients completed after backward wait for finish(): sequence-parallel ones (summed
+        # over TP) and DualPipe's (summed with the twin stage's on another rank).
+        self._held = {id(p) for p in hold} | {id(p) for p in params if getattr(p, "sequence_parallel", False)
+                                              or getattr(p, "grad_summed_after_backward", False)}
         self.stats = OverlapStats()
         self.zero_grad()
 

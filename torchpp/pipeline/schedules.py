@@ -64,6 +64,8 @@ class PipelineSchedule:
         self.device = first.device
         self._stage_of = self._place(stages)
         self.stages = stages
+        if schedule.num_pipelines == 2:
+            self._flag_twin_parameters()
         spp = schedule.num_stages // schedule.num_pipelines
         self._stages_per_pipeline = spp
         self._has_first = any(s % spp == 0 for s in self._stage_of)
@@ -308,6 +310,21 @@ class PipelineSchedule:
         if self._inputs is not None and dim is not None and isinstance(self._inputs[0], torch.Tensor):
             return loss_weights(self._inputs, dim)
         return [1.0 / m] * m
+
+    def _flag_twin_parameters(self) -> None:
+        """DualPipe: every parameter's gradient is summed with its twin's after backward
+        (``grad_summed_after_backward``: data parallelism waits for it), and the gradient norm
+        counts each parameter on the rank of its pipeline-0 copy (``shared_duplicate`` elsewhere;
+        a parameter shared by two stages belongs to the earlier one)."""
+        seen = set()
+        for st in sorted(self.stages, key=lambda s: s.stage_index):
+            owned = self.schedule.stage_to_rank[st.stage_index] == self.rank  # pipeline 0's stage k is stage k
+            for param in st.submod.parameters():
+                param.grad_summed_after_backward = True
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    if not owned:
+                        param.shared_duplicate = True
 
     def _sum_twin_gradients(self) -> None:
         """DualPipe: rank r and rank p-1-r both hold model stages r and p-1-r; add up their grads."""

@@ -1,7 +1,7 @@
 """The Schedule object and the functions that make one (generators and CSV import)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence, Union
+from typing import List, NamedTuple, Sequence, Union
 
 from torchpp import _schedule
 
@@ -103,6 +103,14 @@ class Schedule:
     def model_stage(self, stage: int) -> int:
         """The stage whose parameters ``stage`` holds (differs only for DualPipe's pipeline 1)."""
         return self._native.model_stage(stage)
+
+    def loss_microbatches(self, rank: int) -> List[int]:
+        """The microbatches whose loss ``rank`` computes (on its last stages), in order: all of
+        them on the last rank; under DualPipe, each end rank has the half its pipeline carries."""
+        native, per_pipeline = self._native, self.num_stages // self.num_pipelines
+        return sorted(k for stage, r in enumerate(self.stage_to_rank)
+                      if r == rank and stage % per_pipeline == per_pipeline - 1
+                      for k in native.microbatches_of_pipeline(native.pipeline_of_stage(stage)))
 
     def validate(self) -> None:
         """Raises ScheduleError (with the rank x step grid, offending step marked) if invalid."""
