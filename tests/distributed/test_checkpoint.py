@@ -229,6 +229,37 @@ def _raise(error):
     return fail
 
 
+def check_dualpipe_twins(root):
+    """DualPipe holds every stage on two ranks (rank r: stages r and p-1-r): both save their
+    twin copies under the same names, and the checkpoint resumes at pp=1 x dp=2 exactly as
+    the one-process run continues (fp64), Adam state included."""
+    from torchpp.pipeline import PipelineStage, build_schedule
+
+    ref_losses, _ = _reference()
+    state = init_parallel(tp=1, pp=2)
+    torch.manual_seed(11)
+    full = GPT(EXACT, group=state.tp_group).double()
+    parts = split_model(full, 2)
+    mine = sorted({state.pp_rank, 1 - state.pp_rank})
+    stages = [PipelineStage(parts[k], k, 2, torch.device("cpu"), group=state.pp_group) for k in mine]
+    pipeline = build_schedule("dualpipe", stages, 4, loss_fn=lambda out, target: gpt_loss(out, target, state.tp_group))
+    params = {name: p for k in mine for name, p in stage_parameters(parts[k], full_model=full).items()}
+    assert sorted(params) == sorted(name for name, _ in full.named_parameters())  # the whole model on each rank
+    optimizer = DistributedOptimizer(list(params.values()), torch.optim.AdamW, state, lr=LR)
+    for step in range(2):
+        tokens, labels = _batch(step)
+        optimizer.zero_grad()
+        pipeline.step(tokens, target=labels)
+        optimizer.step()
+    save_checkpoint(root, 2, params, optimizer)
+    assert_close(_resume_two_steps(root, 1, False), ref_losses[2:], "dualpipe checkpoint resumed at dp=2")
+    return True
+
+
+def test_dualpipe_twin_copies_save_and_resume(ranks, tmp_path):
+    assert ranks(2).run(check_dualpipe_twins, str(tmp_path), timeout=TIMEOUT) == [True] * 2
+
+
 def check_interrupted_save(root):
     state = init_parallel(tp=1)  # dp=2 with ZeRO-1: every rank writes its own shard
     model, optimizer = _build(state, True, seed=11)
