@@ -125,13 +125,13 @@ def main():
         tokens_per_s = args.batch * args.seq / (time.perf_counter() - start)
         if rank == 0:
             bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            scale = f"  loss-scale {scaler.get_scale():.0f}{' (skipped)' if optimizer.last_step_skipped else ''}" \
-                if args.fp16 and not args.post_validate else ""
-            if args.post_validate:
-                scale = f"  loss-scale {scaler.get_scale():.0f}" if args.fp16 else ""
-                scale += f"  re-runs {reruns}"
+            extra = f"  loss-scale {scaler.get_scale():.0f}" if args.fp16 else ""
+            if args.post_validate:  # a skip shows as a re-run, settled a step later
+                extra += f"  re-runs {reruns}"
+            elif args.fp16 and optimizer.last_step_skipped:
+                extra += " (skipped)"
             grad_norm = "pending" if norm is None else f"{norm.item():.3f}"
-            tqdm.write(f"step {step:3d}  loss {value:.4f}  grad-norm {grad_norm}{scale}  "
+            tqdm.write(f"step {step:3d}  loss {value:.4f}  grad-norm {grad_norm}{extra}  "
                        f"tokens/s {tokens_per_s:7.0f}")
     if args.post_validate:
         optimizer.flush()  # settles the last update

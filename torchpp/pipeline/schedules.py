@@ -65,7 +65,7 @@ class PipelineSchedule:
         self._stage_of = self._place(stages)
         self.stages = stages
         if schedule.num_pipelines == 2:
-            self._flag_twin_parameters()
+            self._twin_params = self._flag_twin_parameters()
         spp = schedule.num_stages // schedule.num_pipelines
         self._stages_per_pipeline = spp
         self._has_first = any(s % spp == 0 for s in self._stage_of)
@@ -311,25 +311,27 @@ class PipelineSchedule:
             return loss_weights(self._inputs, dim)
         return [1.0 / m] * m
 
-    def _flag_twin_parameters(self) -> None:
+    def _flag_twin_parameters(self) -> List[torch.nn.Parameter]:
         """DualPipe: every parameter's gradient is summed with its twin's after backward
         (``grad_summed_after_backward``: data parallelism waits for it), and the gradient norm
         counts each parameter on the rank of its pipeline-0 copy (``shared_duplicate`` elsewhere;
-        a parameter shared by two stages belongs to the earlier one)."""
-        seen = set()
+        a parameter shared by two stages belongs to the earlier one). Returns the parameters
+        once each, in model-stage order (the same order on the twin rank)."""
+        unique: Dict[int, torch.nn.Parameter] = {}
         for st in sorted(self.stages, key=lambda s: s.stage_index):
             owned = self.schedule.stage_to_rank[st.stage_index] == self.rank  # pipeline 0's stage k is stage k
             for param in st.submod.parameters():
-                param.grad_summed_after_backward = True
-                if id(param) not in seen:
-                    seen.add(id(param))
+                if id(param) not in unique:
+                    unique[id(param)] = param
+                    param.grad_summed_after_backward = True
                     if not owned:
                         param.shared_duplicate = True
+        return list(unique.values())
 
     def _sum_twin_gradients(self) -> None:
         """DualPipe: rank r and rank p-1-r both hold model stages r and p-1-r; add up their grads."""
         partner = self.schedule.num_ranks - 1 - self.rank
-        params = [p for st in sorted(self.stages, key=lambda s: s.stage_index) for p in st.submod.parameters()]
+        params = self._twin_params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch._utils._flatten_dense_tensors(grads)
         theirs = torch.empty_like(flat)
