@@ -11,6 +11,7 @@ from torchpp.models.auto_split import choose_split
 from hf_reference import batch, check_wrapped_step, hf_names, reference_step, tiny_model
 
 NUM_LAYERS = 6
+CASES = ("1f1b", "interleaved-1f1b", "dualpipe")
 
 
 def _slowest_rank(costs, bounds, rank_of, pp):
@@ -62,11 +63,12 @@ def check_auto_split(schedule, n_microbatches):
 
 
 def check_all():
-    return [check_auto_split("1f1b", 4), check_auto_split("interleaved-1f1b", 4)]
+    # DualPipe: each rank holds stages r and p-1-r, and a stage's rank is its pipeline-0 copy's.
+    return [check_auto_split(name, 4) for name in CASES]
 
 
 def test_auto_split_matches_unwrapped(ranks):
-    per_rank = ranks(2).run(check_all, timeout=150)
-    for case in range(2):
+    per_rank = ranks(2).run(check_all, timeout=240)
+    for case in range(len(CASES)):
         covered = set().union(*(set(names[case]) for names in per_rank))
         assert covered == hf_names(tiny_model("llama", num_layers=NUM_LAYERS)), f"case {case}: {covered}"

@@ -4,7 +4,9 @@ The unwrapped model's decoder layers are profiled on one microbatch (each layer 
 the arguments the model itself passes it, captured by a hook); the embedding's time is added to
 the first layer and the final norm + head + loss to the last, so the first and last stage carry
 them; PipeDream's dynamic program (``torchpp.plan.partition``) then picks the split minimising
-the slowest pipeline rank. Rank 0's answer is broadcast so every rank builds the same stages.
+the slowest pipeline rank. Under DualPipe (every stage on two ranks) the stage map given is
+each stage's pipeline-0 copy, one stage per rank, so the slowest stage is minimised: each
+pipeline moves at its pace. Rank 0's answer is broadcast so every rank builds the same stages.
 """
 from __future__ import annotations
 
