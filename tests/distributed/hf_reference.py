@@ -1,6 +1,9 @@
 """Tiny random transformers models (no downloads) and comparisons of wrapped vs unwrapped."""
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from tp_reference import assert_close
 
@@ -9,7 +12,8 @@ SEQ, BATCH = 8, 4
 
 def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=None):
     """The same random model on every rank (fixed seed). Vocabularies of Mistral and GPT-2 are
-    odd, so tp=2 exercises vocabulary padding; Mistral's window is shorter than SEQ."""
+    odd, so tp=2 exercises vocabulary padding; Mistral's window is shorter than SEQ, and so is
+    Qwen2's, which only its upper half of the layers use (the rest attend to everything)."""
     torch.manual_seed(1234)
     if kind == "llama":
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
@@ -22,6 +26,12 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                sliding_window=5, attention_dropout=dropout, tie_word_embeddings=bool(tied))
         model = MistralForCausalLM(config)
+    elif kind == "qwen2":
+        config = Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             use_sliding_window=True, sliding_window=5, max_window_layers=num_layers // 2,
+                             attention_dropout=dropout, tie_word_embeddings=bool(tied))
+        model = Qwen2ForCausalLM(config)
     elif kind == "gpt2":
         config = GPT2Config(vocab_size=61, n_embd=32, n_layer=num_layers, n_head=4, n_positions=64,
                             attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,

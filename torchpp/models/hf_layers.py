@@ -111,7 +111,7 @@ class ParallelSelfAttention(nn.Module):
         scaling: softmax scale of the scores.
         dropout: attention-probability dropout.
         apply_rope: ``apply_rope(q, k, cos, sin)`` for rotary models; None otherwise.
-        sliding_window: Mistral's window (keys further back are masked), or None.
+        sliding_window: Mistral's (or a Qwen2 layer's) window: keys that far back or further are masked; or None.
         recompute_core: recompute the attention core in backward (selective recompute).
     """
 

@@ -1,4 +1,4 @@
-"""Converting transformers' LlamaForCausalLM / MistralForCausalLM into TP stage pieces."""
+"""Converting transformers' LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM into TP stage pieces."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +14,8 @@ from torchpp.models.hf_layers import (
 
 
 class LlamaFamily:
-    """Llama-style decoder (RMSNorm, rotary, GQA, gated MLP); Mistral adds a sliding window.
+    """Llama-style decoder (RMSNorm, rotary, GQA, gated MLP); Mistral adds a sliding window, Qwen2
+    q/k/v biases and a sliding window on some layers only.
 
     Args:
         model: the HF causal LM (left untouched; its tensors are copied into shards).
@@ -57,7 +58,7 @@ class LlamaFamily:
             SeparateQKV(q, k, v), o,
             num_heads=config.num_attention_heads // t, num_kv_heads=config.num_key_value_heads // t,
             head_dim=attn.head_dim, scaling=attn.scaling, dropout=config.attention_dropout,
-            apply_rope=self._apply_rope, sliding_window=getattr(config, "sliding_window", None),
+            apply_rope=self._apply_rope, sliding_window=self._sliding_window(attn),
             recompute_core=ctx.recompute == "selective",
         )
         gate, up = C.column(mlp.gate_proj, **ctx.linear_kwargs), C.column(mlp.up_proj, **ctx.linear_kwargs)
@@ -70,6 +71,12 @@ class LlamaFamily:
         C.export_module(ctx.exports, norm2, f"{prefix}.post_attention_layernorm")
         return DecoderBlock(norm1, attention, norm2, GatedMLP(gate, up, down, mlp.act_fn),
                             sequence_parallel=ctx.sequence_parallel)
+
+    def _sliding_window(self, attn: nn.Module):
+        # Qwen2 sets it per layer (its layer_types); Mistral's attention reads the config's.
+        if hasattr(attn, "sliding_window"):
+            return attn.sliding_window
+        return getattr(self.config, "sliding_window", None)
 
     def head(self) -> ParallelLMHead:
         return C.lm_head(self.ctx, self.model.model.norm, "model.norm", self.model.lm_head, self.vocab_size)
