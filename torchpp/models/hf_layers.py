@@ -113,14 +113,20 @@ class ParallelSelfAttention(nn.Module):
         apply_rope: ``apply_rope(q, k, cos, sin)`` for rotary models; None otherwise.
         sliding_window: Mistral's (or a Qwen2 layer's) window: keys that far back or further are masked; or None.
         recompute_core: recompute the attention core in backward (selective recompute).
+        q_norm, k_norm: Qwen3's norms over each query / key head, before rotary; or None.
     """
 
     def __init__(self, qkv: nn.Module, out_proj: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  scaling: float, dropout: float = 0.0, apply_rope: Optional[Callable] = None,
-                 sliding_window: Optional[int] = None, recompute_core: bool = False):
+                 sliding_window: Optional[int] = None, recompute_core: bool = False,
+                 q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None):
         super().__init__()
         self.qkv = qkv
         self.out_proj = out_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+        for norm in (q_norm, k_norm):
+            if norm is not None:  # replicated, but each TP rank normalises only its own heads
+                tp.mark_sequence_parallel(norm)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scaling, self.dropout = scaling, dropout
         self.apply_rope = apply_rope
@@ -134,6 +140,8 @@ class ParallelSelfAttention(nn.Module):
                 segments: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = self.qkv(x)  # full sequence even under SP: the column layers all-gathered it
         q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.apply_rope is not None:
             q, k = self.apply_rope(q, k, *rope)
         options = dict(scaling=self.scaling, dropout=self.dropout, training=self.training,

@@ -1,4 +1,4 @@
-"""Converting transformers' LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM into TP stage pieces."""
+"""Converting transformers' Llama, Mistral, Qwen2 and Qwen3 causal LMs into TP stage pieces."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +15,7 @@ from torchpp.models.hf_layers import (
 
 class LlamaFamily:
     """Llama-style decoder (RMSNorm, rotary, GQA, gated MLP); Mistral adds a sliding window, Qwen2
-    q/k/v biases and a sliding window on some layers only.
+    q/k/v biases and a sliding window on some layers only, Qwen3 a norm over each query and key head.
 
     Args:
         model: the HF causal LM (left untouched; its tensors are copied into shards).
@@ -59,7 +59,7 @@ class LlamaFamily:
             num_heads=config.num_attention_heads // t, num_kv_heads=config.num_key_value_heads // t,
             head_dim=attn.head_dim, scaling=attn.scaling, dropout=config.attention_dropout,
             apply_rope=self._apply_rope, sliding_window=self._sliding_window(attn),
-            recompute_core=ctx.recompute == "selective",
+            recompute_core=ctx.recompute == "selective", **self._head_norms(attn, prefix),
         )
         gate, up = C.column(mlp.gate_proj, **ctx.linear_kwargs), C.column(mlp.up_proj, **ctx.linear_kwargs)
         down = C.row(mlp.down_proj, **ctx.linear_kwargs)
@@ -77,6 +77,15 @@ class LlamaFamily:
         if hasattr(attn, "sliding_window"):
             return attn.sliding_window
         return getattr(self.config, "sliding_window", None)
+
+    def _head_norms(self, attn: nn.Module, prefix: str) -> dict:
+        """Qwen3's per-head q_norm / k_norm, copied and exported; {} for the others."""
+        if not hasattr(attn, "q_norm"):
+            return {}
+        norms = {name: copy.deepcopy(getattr(attn, name)) for name in ("q_norm", "k_norm")}
+        for name, norm in norms.items():
+            C.export_module(self.ctx.exports, norm, f"{prefix}.self_attn.{name}")
+        return norms
 
     def head(self) -> ParallelLMHead:
         return C.lm_head(self.ctx, self.model.model.norm, "model.norm", self.model.lm_head, self.vocab_size)

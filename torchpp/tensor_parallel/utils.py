@@ -30,8 +30,9 @@ def mark_tensor_parallel(param: torch.nn.Parameter, partition_dim: int, group_si
 
 def mark_sequence_parallel(module: torch.nn.Module) -> torch.nn.Module:
     """Flags every parameter of `module` as replicated across TP ranks that see different
-    sequence slices (LayerNorm/RMSNorm in a sequence-parallel region): their gradients are
-    partial sums until `allreduce_sequence_parallel_grads` adds them up."""
+    parts of the data: sequence slices (LayerNorm/RMSNorm in a sequence-parallel region), or
+    their own heads (per-head norms such as Qwen3's q/k norms). Their gradients are partial
+    sums until `allreduce_sequence_parallel_grads` adds them up."""
     for param in module.parameters():
         param.sequence_parallel = True
     return module
