@@ -1,7 +1,7 @@
 """Tiny random transformers models (no downloads) and comparisons of wrapped vs unwrapped."""
 import torch
 from transformers import (
-    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+    GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
     Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
@@ -14,7 +14,8 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
     """The same random model on every rank (fixed seed). Vocabularies of Mistral and GPT-2 are
     odd, so tp=2 exercises vocabulary padding; Mistral's window is shorter than SEQ, and so is
     Qwen2's, which only its upper half of the layers use (the rest attend to everything). Qwen3's
-    heads are wider than hidden / heads, and its per-head q/k norm weights are random, not ones."""
+    heads are wider than hidden / heads, and its per-head q/k norm weights are random, not ones.
+    Gemma scales its embeddings by sqrt(hidden); its token 0 is padding (no gradient)."""
     torch.manual_seed(1234)
     if kind == "llama":
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
@@ -42,6 +43,11 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif kind == "gemma":
+        config = GemmaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                             attention_dropout=dropout, tie_word_embeddings=True if tied is None else tied)
+        model = GemmaForCausalLM(config)
     elif kind == "gpt2":
         config = GPT2Config(vocab_size=61, n_embd=32, n_layer=num_layers, n_head=4, n_positions=64,
                             attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,

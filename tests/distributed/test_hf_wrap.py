@@ -1,4 +1,4 @@
-"""torchpp.models.parallelize on transformers' Llama, Mistral, Qwen2, Qwen3 and GPT-2 equals the unwrapped model:
+"""torchpp.models.parallelize on transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and GPT-2 equals the unwrapped model:
 logits, loss and every gradient, under tp=2 (with and without sequence parallelism) and
 pp=2 x tp=2 over the pipeline runtime."""
 import copy
@@ -43,11 +43,12 @@ def check_tp_equivalence(kind, sequence_parallel, inputs="plain"):
 
 
 def check_all_tp():
-    for kind in ("llama", "mistral", "qwen2", "qwen3", "gpt2"):
+    for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"):
         check_tp_equivalence(kind, sequence_parallel=False)
     check_tp_equivalence("llama", sequence_parallel=True)
     check_tp_equivalence("gpt2", sequence_parallel=True)
     check_tp_equivalence("qwen3", sequence_parallel=True)
+    check_tp_equivalence("gemma", sequence_parallel=True, inputs="padded")
     # Padding (right and left): the attention_mask hides padded keys, as in transformers.
     check_tp_equivalence("llama", sequence_parallel=True, inputs="padded")
     check_tp_equivalence("mistral", sequence_parallel=False, inputs="padded")
@@ -143,6 +144,8 @@ PIPELINES = (
     ("qwen2", "zb-h1", "selective", True, "padded"),
     # Qwen3: per-head q/k norms, whose gradients each TP rank holds for its own heads only.
     ("qwen3", "interleaved-1f1b", "full", False, "packed"),
+    # Gemma: scaled embeddings, tied on different ranks.
+    ("gemma", "1f1b", "selective", True, "plain"),
     # Sequence parallelism: each TP rank sends its own sequence slice down the pipeline.
     ("llama", "zb-h1", "selective", False, "padded", True),
     ("gpt2", "interleaved-1f1b", None, True, "packed", True),
@@ -212,7 +215,7 @@ def check_all_pipelines():
     return names
 
 
-def test_tp2_matches_unwrapped_llama_mistral_qwen_gpt2(ranks):
+def test_tp2_matches_unwrapped_hf_models(ranks):
     assert ranks(2).run(check_all_tp, timeout=TIMEOUT_S) == [True, True]
 
 

@@ -215,12 +215,15 @@ class ParallelTokenEmbedding(nn.Module):
         positions: nn.Embedding of positions, or None (rotary models).
         dropout: embedding dropout.
         sequence_parallel: return this rank's sequence slice.
+        scale: factor on the token embeddings (Gemma's sqrt(hidden)), or None.
     """
 
     def __init__(self, tokens: tp.VocabParallelEmbedding, positions: Optional[nn.Embedding] = None,
-                 dropout: float = 0.0, sequence_parallel: bool = False):
+                 dropout: float = 0.0, sequence_parallel: bool = False, scale: Optional[float] = None):
         super().__init__()
         self.tokens, self.positions = tokens, positions
+        # A buffer, as transformers keeps it: it rounds to the table's dtype before multiplying.
+        self.register_buffer("scale", None if scale is None else torch.tensor(scale), persistent=False)
         self.dropout = dropout
         self.sequence_parallel = sequence_parallel
         if sequence_parallel and positions is not None:
@@ -228,6 +231,8 @@ class ParallelTokenEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.tokens(input_ids)
+        if self.scale is not None:
+            hidden = hidden * self.scale.to(self.tokens.weight.dtype)
         if self.positions is not None:
             positions = position_ids if position_ids is not None else torch.arange(input_ids.shape[1],
                                                                                      device=input_ids.device)[None]

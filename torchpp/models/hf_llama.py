@@ -1,4 +1,4 @@
-"""Converting transformers' Llama, Mistral, Qwen2 and Qwen3 causal LMs into TP stage pieces."""
+"""Converting transformers' Llama, Mistral, Qwen2, Qwen3 and Gemma causal LMs into TP stage pieces."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +15,8 @@ from torchpp.models.hf_layers import (
 
 class LlamaFamily:
     """Llama-style decoder (RMSNorm, rotary, GQA, gated MLP); Mistral adds a sliding window, Qwen2
-    q/k/v biases and a sliding window on some layers only, Qwen3 a norm over each query and key head.
+    q/k/v biases and a sliding window on some layers only, Qwen3 a norm over each query and key head,
+    Gemma a scaled token embedding (its (1 + weight) norms are the model's own modules, copied).
 
     Args:
         model: the HF causal LM (left untouched; its tensors are copied into shards).
@@ -34,6 +35,9 @@ class LlamaFamily:
                 f"torchpp.parallelize: tp={t} must divide num_attention_heads={heads} and "
                 f"num_key_value_heads={kv_heads} (each TP rank holds whole query and key/value heads)"
             )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise NotImplementedError("torchpp.parallelize: use_bidirectional_attention=True is not supported "
+                                      "(attention is causal)")
         # apply_rotary_pos_emb of the model's own modeling module, so its RoPE variant is kept.
         self._apply_rope = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
 
@@ -43,7 +47,9 @@ class LlamaFamily:
     def embedding(self) -> ParallelTokenEmbedding:
         tokens = tp.VocabParallelEmbedding.from_embedding(self.model.model.embed_tokens, pad_vocab=True, **self.ctx.embedding_kwargs)
         self.ctx.exports.append(C.Export("model.embed_tokens.weight", tokens.weight, C.trimmed_rows(self.vocab_size)))
-        return ParallelTokenEmbedding(tokens, sequence_parallel=self.ctx.sequence_parallel)
+        scale = getattr(self.model.model.embed_tokens, "embed_scale", None)  # Gemma's sqrt(hidden)
+        return ParallelTokenEmbedding(tokens, sequence_parallel=self.ctx.sequence_parallel,
+                                      scale=None if scale is None else float(scale))
 
     def block(self, index: int) -> DecoderBlock:
         ctx, layer, prefix = self.ctx, self.model.model.layers[index], f"model.layers.{index}"
