@@ -1,7 +1,7 @@
 """Tiny random transformers models (no downloads) and comparisons of wrapped vs unwrapped."""
 import torch
 from transformers import (
-    GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+    GemmaConfig, GemmaForCausalLM, Phi3Config, Phi3ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
     Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
@@ -15,7 +15,9 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
     odd, so tp=2 exercises vocabulary padding; Mistral's window is shorter than SEQ, and so is
     Qwen2's, which only its upper half of the layers use (the rest attend to everything). Qwen3's
     heads are wider than hidden / heads, and its per-head q/k norm weights are random, not ones.
-    Gemma scales its embeddings by sqrt(hidden); its token 0 is padding (no gradient)."""
+    Gemma scales its embeddings by sqrt(hidden); its token 0 is padding (no gradient). Phi-3 fuses
+    q, k and v (GQA: k and v narrower than q) and gate and up into one projection each, and its
+    rotary covers half of each head."""
     torch.manual_seed(1234)
     if kind == "llama":
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
@@ -48,6 +50,13 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                              attention_dropout=dropout, tie_word_embeddings=True if tied is None else tied)
         model = GemmaForCausalLM(config)
+    elif kind == "phi3":
+        config = Phi3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            partial_rotary_factor=0.5, sliding_window=None, pad_token_id=3, bos_token_id=1,
+                            eos_token_id=2, attention_dropout=dropout, resid_pdrop=dropout,
+                            tie_word_embeddings=bool(tied))
+        model = Phi3ForCausalLM(config)
     elif kind == "gpt2":
         config = GPT2Config(vocab_size=61, n_embd=32, n_layer=num_layers, n_head=4, n_positions=64,
                             attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout,

@@ -6,7 +6,7 @@
     optimizer.step()
 
 Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
-GPT2LMHeadModel (see docs/ptdp.md for what is and is not).
+Phi3ForCausalLM, GPT2LMHeadModel (see docs/ptdp.md for what is and is not).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from torchpp.tensor_parallel.embedding import padded_vocab_size
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
 
 FAMILIES = {"llama": LlamaFamily, "mistral": LlamaFamily, "qwen2": LlamaFamily, "qwen3": LlamaFamily,
-            "gemma": LlamaFamily, "gpt2": GPT2Family}
+            "gemma": LlamaFamily, "phi3": LlamaFamily, "gpt2": GPT2Family}
 IGNORE_INDEX = -100
 
 
@@ -350,8 +350,8 @@ def parallelize(
     ``model`` itself is not modified.
 
     Args:
-        model: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM or
-            GPT2LMHeadModel, identical on every rank.
+        model: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
+            Phi3ForCausalLM or GPT2LMHeadModel, identical on every rank.
         tp: tensor-parallel size (default: the parallel state's).
         pp: pipeline-parallel size (default: the parallel state's).
         schedule: pipeline schedule name (torchpp.schedule.SCHEDULES) when pp > 1; zero-bubble

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -61,26 +61,32 @@ def linear_from_conv1d(conv: nn.Module) -> nn.Linear:
     return linear
 
 
-def group_fused_qkv(linear: nn.Linear, tp_size: int) -> nn.Linear:
-    """Reorders a fused [q; k; v] projection's rows into [q_0 k_0 v_0; q_1 k_1 v_1; ...] so that
-    TP rank r's row chunk holds its heads of each of q, k and v."""
+def _regroup(t: torch.Tensor, sizes: Sequence[int], tp_size: int) -> torch.Tensor:
+    # [a; b; ...] -> [a_0 b_0 ...; a_1 b_1 ...; ...]: rank r's row chunk holds its slice of each part.
+    parts = [part.chunk(tp_size) for part in t.split(list(sizes))]
+    return torch.cat([piece for rank in range(tp_size) for piece in (chunks[rank] for chunks in parts)])
 
-    def regroup(t: torch.Tensor) -> torch.Tensor:
-        # [3, tp, rows/tp, ...] -> [tp, 3, rows/tp, ...]
-        return t.reshape(3, tp_size, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
-    grouped = nn.Linear(linear.in_features, linear.out_features, device="meta")
-    grouped.weight = nn.Parameter(regroup(linear.weight.detach()))
-    grouped.bias = nn.Parameter(regroup(linear.bias.detach()))
+def group_fused(linear: nn.Linear, sizes: Sequence[int], tp_size: int) -> nn.Linear:
+    """Reorders a fused projection's row blocks ([q; k; v] of ``sizes`` rows, or [gate; up]) into
+    [q_0 k_0 v_0; q_1 k_1 v_1; ...] so that TP rank r's row chunk holds its share of each block."""
+    for size in sizes:
+        if size % tp_size:
+            raise ValueError(f"torchpp.parallelize: tp={tp_size} must divide each fused block's rows {list(sizes)}")
+    grouped = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    grouped.weight = nn.Parameter(_regroup(linear.weight.detach(), sizes, tp_size))
+    if linear.bias is not None:
+        grouped.bias = nn.Parameter(_regroup(linear.bias.detach(), sizes, tp_size))
     return grouped
 
 
-def ungroup_fused_qkv(tp_size: int) -> Unshard:
-    """Inverse of ``group_fused_qkv`` on the concatenated shards."""
+def ungroup_fused(sizes: Sequence[int], tp_size: int) -> Unshard:
+    """Inverse of ``group_fused`` on the TP shards."""
 
     def unshard(shards: List[torch.Tensor]) -> torch.Tensor:
-        t = torch.cat(shards, dim=0)
-        return t.reshape(tp_size, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        local = [size // tp_size for size in sizes]
+        per_rank = [shard.split(local) for shard in shards]
+        return torch.cat([torch.cat([pieces[block] for pieces in per_rank]) for block in range(len(sizes))])
 
     return unshard
 

@@ -9,7 +9,7 @@ integer tensors, which need no gradient).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,7 @@ def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
 
 
 class SeparateQKV(nn.Module):
-    """Llama/Mistral: q, k and v column-parallel projections (this rank's heads)."""
+    """Llama and most of its family: q, k and v column-parallel projections (this rank's heads)."""
 
     def __init__(self, q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module):
         super().__init__()
@@ -89,14 +89,19 @@ class SeparateQKV(nn.Module):
 
 
 class FusedQKV(nn.Module):
-    """GPT-2: one column-parallel projection whose rank-local output is [q_r, k_r, v_r]."""
+    """GPT-2, Phi-3: one column-parallel projection whose rank-local output is [q_r, k_r, v_r].
 
-    def __init__(self, c_attn: nn.Module):
+    Args:
+        c_attn: the projection (rows grouped by ``hf_convert.group_fused``).
+        sizes: this rank's q, k and v widths (k and v narrower than q under GQA).
+    """
+
+    def __init__(self, c_attn: nn.Module, sizes: Sequence[int]):
         super().__init__()
-        self.c_attn = c_attn
+        self.c_attn, self.sizes = c_attn, list(sizes)
 
     def forward(self, x: torch.Tensor):
-        return self.c_attn(x).chunk(3, dim=-1)
+        return self.c_attn(x).split(self.sizes, dim=-1)
 
 
 class ParallelSelfAttention(nn.Module):
@@ -158,7 +163,7 @@ class ParallelSelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """Llama/Mistral MLP: down(act(gate(x)) * up(x)), gate/up by column, down by row."""
+    """Llama-family MLP: down(act(gate(x)) * up(x)), gate/up by column, down by row."""
 
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act: Callable):
         super().__init__()
@@ -166,6 +171,18 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMLP(nn.Module):
+    """Phi-3 MLP: one column-parallel gate_up projection whose rank-local output is [gate_r, up_r]."""
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, act: Callable):
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act = gate_up_proj, down_proj, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class MLP(nn.Module):

@@ -1,4 +1,4 @@
-"""Converting transformers' Llama, Mistral, Qwen2, Qwen3 and Gemma causal LMs into TP stage pieces."""
+"""Converting transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 causal LMs into TP stage pieces."""
 from __future__ import annotations
 
 import copy
@@ -9,14 +9,16 @@ from torch import nn
 from torchpp import tensor_parallel as tp
 from torchpp.models import hf_convert as C
 from torchpp.models.hf_layers import (
-    DecoderBlock, GatedMLP, ParallelLMHead, ParallelSelfAttention, ParallelTokenEmbedding, SeparateQKV,
+    DecoderBlock, FusedGatedMLP, FusedQKV, GatedMLP, ParallelLMHead, ParallelSelfAttention, ParallelTokenEmbedding,
+    SeparateQKV,
 )
 
 
 class LlamaFamily:
     """Llama-style decoder (RMSNorm, rotary, GQA, gated MLP); Mistral adds a sliding window, Qwen2
     q/k/v biases and a sliding window on some layers only, Qwen3 a norm over each query and key head,
-    Gemma a scaled token embedding (its (1 + weight) norms are the model's own modules, copied).
+    Gemma a scaled token embedding (its (1 + weight) norms are the model's own modules, copied),
+    Phi-3 fused qkv and gate_up projections and residual dropout.
 
     Args:
         model: the HF causal LM (left untouched; its tensors are copied into shards).
@@ -53,30 +55,55 @@ class LlamaFamily:
 
     def block(self, index: int) -> DecoderBlock:
         ctx, layer, prefix = self.ctx, self.model.model.layers[index], f"model.layers.{index}"
-        attn, mlp = layer.self_attn, layer.mlp
-        q, k, v = (C.column(getattr(attn, n), **ctx.linear_kwargs) for n in ("q_proj", "k_proj", "v_proj"))
+        attn = layer.self_attn
+        qkv = self._qkv(attn, prefix)
         o = C.row(attn.o_proj, **ctx.linear_kwargs)
-        for name, proj in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            C.export_linear(ctx.exports, proj, f"{prefix}.self_attn.{name}", C.cat_rows, C.cat_rows)
         C.export_linear(ctx.exports, o, f"{prefix}.self_attn.o_proj", C.cat_columns, C.replicated)
         t, config = ctx.tp_size, self.config
         attention = ParallelSelfAttention(
-            SeparateQKV(q, k, v), o,
+            qkv, o,
             num_heads=config.num_attention_heads // t, num_kv_heads=config.num_key_value_heads // t,
             head_dim=attn.head_dim, scaling=attn.scaling, dropout=config.attention_dropout,
             apply_rope=self._apply_rope, sliding_window=self._sliding_window(attn),
             recompute_core=ctx.recompute == "selective", **self._head_norms(attn, prefix),
         )
-        gate, up = C.column(mlp.gate_proj, **ctx.linear_kwargs), C.column(mlp.up_proj, **ctx.linear_kwargs)
-        down = C.row(mlp.down_proj, **ctx.linear_kwargs)
-        C.export_linear(ctx.exports, gate, f"{prefix}.mlp.gate_proj", C.cat_rows, C.cat_rows)
-        C.export_linear(ctx.exports, up, f"{prefix}.mlp.up_proj", C.cat_rows, C.cat_rows)
-        C.export_linear(ctx.exports, down, f"{prefix}.mlp.down_proj", C.cat_columns, C.replicated)
+        mlp = self._mlp(layer.mlp, prefix)
         norm1, norm2 = copy.deepcopy(layer.input_layernorm), copy.deepcopy(layer.post_attention_layernorm)
         C.export_module(ctx.exports, norm1, f"{prefix}.input_layernorm")
         C.export_module(ctx.exports, norm2, f"{prefix}.post_attention_layernorm")
-        return DecoderBlock(norm1, attention, norm2, GatedMLP(gate, up, down, mlp.act_fn),
+        return DecoderBlock(norm1, attention, norm2, mlp, dropout=getattr(config, "resid_pdrop", 0.0),
                             sequence_parallel=ctx.sequence_parallel)
+
+    def _qkv(self, attn: nn.Module, prefix: str) -> nn.Module:
+        """Column-parallel q, k and v: separate, or Phi-3's fused qkv_proj with its rows grouped by rank."""
+        ctx, t = self.ctx, self.ctx.tp_size
+        if hasattr(attn, "qkv_proj"):
+            kv_rows = self.config.num_key_value_heads * attn.head_dim
+            blocks = [self.config.num_attention_heads * attn.head_dim, kv_rows, kv_rows]
+            qkv = C.column(C.group_fused(attn.qkv_proj, blocks, t), **ctx.linear_kwargs)
+            unshard = C.ungroup_fused(blocks, t)
+            C.export_linear(ctx.exports, qkv, f"{prefix}.self_attn.qkv_proj", unshard, unshard)
+            return FusedQKV(qkv, [rows // t for rows in blocks])
+        q, k, v = (C.column(getattr(attn, n), **ctx.linear_kwargs) for n in ("q_proj", "k_proj", "v_proj"))
+        for name, proj in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            C.export_linear(ctx.exports, proj, f"{prefix}.self_attn.{name}", C.cat_rows, C.cat_rows)
+        return SeparateQKV(q, k, v)
+
+    def _mlp(self, mlp: nn.Module, prefix: str) -> nn.Module:
+        """The gated MLP: separate gate and up projections, or Phi-3's fused gate_up_proj."""
+        ctx, t = self.ctx, self.ctx.tp_size
+        down = C.row(mlp.down_proj, **ctx.linear_kwargs)
+        C.export_linear(ctx.exports, down, f"{prefix}.mlp.down_proj", C.cat_columns, C.replicated)
+        if hasattr(mlp, "gate_up_proj"):
+            blocks = [self.config.intermediate_size] * 2
+            gate_up = C.column(C.group_fused(mlp.gate_up_proj, blocks, t), **ctx.linear_kwargs)
+            unshard = C.ungroup_fused(blocks, t)
+            C.export_linear(ctx.exports, gate_up, f"{prefix}.mlp.gate_up_proj", unshard, unshard)
+            return FusedGatedMLP(gate_up, down, mlp.activation_fn)
+        gate, up = C.column(mlp.gate_proj, **ctx.linear_kwargs), C.column(mlp.up_proj, **ctx.linear_kwargs)
+        C.export_linear(ctx.exports, gate, f"{prefix}.mlp.gate_proj", C.cat_rows, C.cat_rows)
+        C.export_linear(ctx.exports, up, f"{prefix}.mlp.up_proj", C.cat_rows, C.cat_rows)
+        return GatedMLP(gate, up, down, mlp.act_fn)
 
     def _sliding_window(self, attn: nn.Module):
         # Qwen2 sets it per layer (its layer_types); Mistral's attention reads the config's.
