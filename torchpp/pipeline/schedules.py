@@ -268,19 +268,27 @@ class PipelineSchedule:
         if self._script is not None and self._has_last and self._loss_kwargs:
             raise TypeError(f"torchpp pipeline: a TorchScript loss_fn takes (output, target) alone; got loss_kwargs "
                             f"{sorted(self._loss_kwargs)}")
-        if self._has_first:
+        # The common case, one batch tensor split along dim 0, skips the pytree walks (a step's
+        # fixed cost delays the whole pipeline when it is on the first stage).
+        plain = (len(args) == 1 and not kwargs and isinstance(x, torch.Tensor) and self.args_chunk_spec is None
+                 and self.kwargs_chunk_spec is None)
+        if not self._has_first:
+            self._inputs = self._arguments = None
+            firsts = []
+        elif plain:
+            self._inputs = firsts = split_microbatches(x, m)
+            self._arguments = [((), {}) for _ in range(m)]
+        else:
             args_split, kwargs_split = split_args_kwargs_into_chunks(args, kwargs, m, self.args_chunk_spec,
                                                                      self.kwargs_chunk_spec)
             self._inputs = [a[0] for a in args_split]
             self._arguments = [(a[1:], k) for a, k in zip(args_split, kwargs_split)]
             if self._script is not None and not isinstance(x, torch.Tensor):
                 raise TypeError(f"torchpp pipeline: TorchScript stages take a batch tensor, got {type(x).__name__}")
-        else:
-            self._inputs = self._arguments = None
+            firsts = [t for t in tree_flatten((self._inputs, self._arguments))[0] if isinstance(t, torch.Tensor)]
         self._targets = split_microbatches(target, m) if self._has_last and target is not None else None
         self._weights = self._seed_weights(kind, m)
         # Each executor caches the shapes its last step exchanged; compare against those.
-        firsts = [t for t in tree_flatten((self._inputs, self._arguments))[0] if isinstance(t, torch.Tensor)]
         signature = tuple((tuple(t.shape), t.dtype) for t in firsts)
         changed = signature != self._signatures.get(kind)
         self._signatures[kind] = signature
