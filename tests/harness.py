@@ -19,6 +19,9 @@ from typing import Any, Callable, List
 # Collectives that would hang become errors after this long (well under each test's timeout).
 COLLECTIVE_TIMEOUT_S = 45
 DEFAULT_TEST_TIMEOUT_S = 120
+# Once a rank has failed the test, the others get this long to finish (or fail) too: a rank whose
+# peer stopped in test code may wait in the next collective until the test's own timeout.
+AFTER_FAILURE_S = 20
 
 
 def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
@@ -72,6 +75,7 @@ class RankPool:
             tasks.put((fn, args, kwargs))
         deadline = time.monotonic() + timeout
         outcomes = {}
+        failed = None  # the first rank that failed
         while len(outcomes) < self.world_size:
             remaining = deadline - time.monotonic()
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcomes]
@@ -79,13 +83,21 @@ class RankPool:
                 self.healthy = False
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
                 errors = self._format_errors(outcomes)
-                reason = f"exited ({dead})" if dead else f"did not finish within {timeout:.0f}s (hang)"
+                if dead:
+                    reason = f"exited ({dead})"
+                elif failed is not None:
+                    reason = f"were still running {AFTER_FAILURE_S}s after rank {failed} failed"
+                else:
+                    reason = f"did not finish within {timeout:.0f}s (hang)"
                 raise AssertionError(f"{fn.__name__}: ranks {missing} {reason}\n{errors}")
             try:
                 rank, status, value = self._results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 continue
             outcomes[rank] = (status, value)
+            if status == "error" and failed is None:
+                failed = rank
+                deadline = min(deadline, time.monotonic() + AFTER_FAILURE_S)
         if any(status == "error" for status, _ in outcomes.values()):
             self.healthy = False
             raise AssertionError(f"{fn.__name__} failed:\n{self._format_errors(outcomes)}")
