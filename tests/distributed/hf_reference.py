@@ -1,8 +1,8 @@
 """Tiny random transformers models (no downloads) and comparisons of wrapped vs unwrapped."""
 import torch
 from transformers import (
-    GemmaConfig, GemmaForCausalLM, Phi3Config, Phi3ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
 from tp_reference import assert_close

@@ -116,6 +116,16 @@ def export_linear(exports: List[Export], layer: nn.Module, hf_prefix: str, weigh
         exports.append(Export(f"{hf_prefix}.bias", layer.bias, bias))
 
 
+def fused_column(ctx, linear: nn.Linear, blocks: Sequence[int], hf_prefix: str,
+                 conv1d: bool = False) -> tp.ColumnParallelLinear:
+    """A fused projection (``blocks``: its row blocks) as one column-parallel layer whose rank r
+    holds its share of every block, exported under ``hf_prefix``."""
+    layer = column(group_fused(linear, blocks, ctx.tp_size), **ctx.linear_kwargs)
+    unshard = ungroup_fused(blocks, ctx.tp_size)
+    export_linear(ctx.exports, layer, hf_prefix, unshard, unshard, conv1d=conv1d)
+    return layer
+
+
 def export_module(exports: List[Export], module: nn.Module, hf_prefix: str) -> None:
     """Records every parameter of a module replicated across TP ranks (norms, positions)."""
     for name, param in module.named_parameters():

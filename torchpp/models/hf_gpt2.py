@@ -45,20 +45,19 @@ class GPT2Family:
     def block(self, index: int) -> DecoderBlock:
         ctx, layer, prefix, t = self.ctx, self.model.transformer.h[index], f"transformer.h.{index}", self.ctx.tp_size
         attn, mlp = layer.attn, layer.mlp
-        blocks = [self.config.n_embd] * 3  # [q; k; v]
-        c_attn = C.column(C.group_fused(C.linear_from_conv1d(attn.c_attn), blocks, t), **ctx.linear_kwargs)
+        c_attn = C.fused_column(ctx, C.linear_from_conv1d(attn.c_attn), [self.config.n_embd] * 3,  # [q; k; v]
+                                f"{prefix}.attn.c_attn", conv1d=True)
         c_proj = C.row(C.linear_from_conv1d(attn.c_proj), **ctx.linear_kwargs)
         c_fc = C.column(C.linear_from_conv1d(mlp.c_fc), **ctx.linear_kwargs)
         mlp_proj = C.row(C.linear_from_conv1d(mlp.c_proj), **ctx.linear_kwargs)
-        qkv_unshard = C.ungroup_fused(blocks, t)
-        C.export_linear(ctx.exports, c_attn, f"{prefix}.attn.c_attn", qkv_unshard, qkv_unshard, conv1d=True)
         C.export_linear(ctx.exports, c_proj, f"{prefix}.attn.c_proj", C.cat_columns, C.replicated, conv1d=True)
         C.export_linear(ctx.exports, c_fc, f"{prefix}.mlp.c_fc", C.cat_rows, C.cat_rows, conv1d=True)
         C.export_linear(ctx.exports, mlp_proj, f"{prefix}.mlp.c_proj", C.cat_columns, C.replicated, conv1d=True)
         heads = self.config.n_head // t
         attention = ParallelSelfAttention(
-            FusedQKV(c_attn, [attn.head_dim * heads] * 3), c_proj, num_heads=heads, num_kv_heads=heads, head_dim=attn.head_dim,
-            scaling=attn.scaling, dropout=self.config.attn_pdrop, recompute_core=ctx.recompute == "selective",
+            FusedQKV(c_attn, [attn.head_dim * heads] * 3), c_proj, num_heads=heads, num_kv_heads=heads,
+            head_dim=attn.head_dim, scaling=attn.scaling, dropout=self.config.attn_pdrop,
+            recompute_core=ctx.recompute == "selective",
         )
         norm1, norm2 = copy.deepcopy(layer.ln_1), copy.deepcopy(layer.ln_2)
         C.export_module(ctx.exports, norm1, f"{prefix}.ln_1")

@@ -1,4 +1,5 @@
-"""Converting transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 causal LMs into TP stage pieces."""
+"""Converting transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 causal LMs into TP
+stage pieces."""
 from __future__ import annotations
 
 import copy
@@ -80,9 +81,7 @@ class LlamaFamily:
         if hasattr(attn, "qkv_proj"):
             kv_rows = self.config.num_key_value_heads * attn.head_dim
             blocks = [self.config.num_attention_heads * attn.head_dim, kv_rows, kv_rows]
-            qkv = C.column(C.group_fused(attn.qkv_proj, blocks, t), **ctx.linear_kwargs)
-            unshard = C.ungroup_fused(blocks, t)
-            C.export_linear(ctx.exports, qkv, f"{prefix}.self_attn.qkv_proj", unshard, unshard)
+            qkv = C.fused_column(ctx, attn.qkv_proj, blocks, f"{prefix}.self_attn.qkv_proj")
             return FusedQKV(qkv, [rows // t for rows in blocks])
         q, k, v = (C.column(getattr(attn, n), **ctx.linear_kwargs) for n in ("q_proj", "k_proj", "v_proj"))
         for name, proj in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
@@ -91,14 +90,12 @@ class LlamaFamily:
 
     def _mlp(self, mlp: nn.Module, prefix: str) -> nn.Module:
         """The gated MLP: separate gate and up projections, or Phi-3's fused gate_up_proj."""
-        ctx, t = self.ctx, self.ctx.tp_size
+        ctx = self.ctx
         down = C.row(mlp.down_proj, **ctx.linear_kwargs)
         C.export_linear(ctx.exports, down, f"{prefix}.mlp.down_proj", C.cat_columns, C.replicated)
         if hasattr(mlp, "gate_up_proj"):
-            blocks = [self.config.intermediate_size] * 2
-            gate_up = C.column(C.group_fused(mlp.gate_up_proj, blocks, t), **ctx.linear_kwargs)
-            unshard = C.ungroup_fused(blocks, t)
-            C.export_linear(ctx.exports, gate_up, f"{prefix}.mlp.gate_up_proj", unshard, unshard)
+            gate_up = C.fused_column(ctx, mlp.gate_up_proj, [self.config.intermediate_size] * 2,
+                                     f"{prefix}.mlp.gate_up_proj")
             return FusedGatedMLP(gate_up, down, mlp.activation_fn)
         gate, up = C.column(mlp.gate_proj, **ctx.linear_kwargs), C.column(mlp.up_proj, **ctx.linear_kwargs)
         C.export_linear(ctx.exports, gate, f"{prefix}.mlp.gate_proj", C.cat_rows, C.cat_rows)
