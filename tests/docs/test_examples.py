@@ -81,6 +81,19 @@ def test_ptdp_page_example_prints_the_documented_losses(tmp_path):
         assert found[step] == pytest.approx(loss, abs=2e-3), (step, found[step], loss)
 
 
+def test_ptdp_page_checkpoint_example_reloads_what_it_trained(tmp_path):
+    (tmp_path / "hf_weights.py").write_text(python_block("ptdp.md", "Save as `hf_weights.py`"))
+    output = run(["hf_weights.py"], tmp_path, nproc=4)
+    pipeline = re.search(r"pipeline loss ([0-9.]+)", output)
+    reloaded = re.search(r"from_pretrained loss ([0-9.]+)", output)
+    assert pipeline and reloaded, output
+    assert float(reloaded.group(1)) == pytest.approx(float(pipeline.group(1)), rel=1e-5), output
+    assert float(pipeline.group(1)) < 4.0, output  # trained: log(64) = 4.16 at the start
+    assert sorted(os.listdir(tmp_path / "tuned")) == [
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json"]
+
+
 def test_tensor_parallel_page_example_runs(tmp_path):
     (tmp_path / "this.py").write_text(python_block("tensor_parallel.md", "torchrun --nproc-per-node 2 this.py"))
     run(["this.py"], tmp_path, nproc=2)

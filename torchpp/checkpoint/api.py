@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,20 +48,6 @@ class LoadedCheckpoint:
     step: int
     extra: Any
     rng_restored: bool
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """Runs fn on global rank 0 and returns its result on every rank; its error raises everywhere."""
-    box = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = fn()
-        except Exception as error:  # noqa: BLE001 (re-raised on every rank below)
-            box[1] = f"{type(error).__name__}: {error}"
-    dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise RuntimeError(f"torchpp.checkpoint: rank 0 failed: {box[1]}")
-    return box[0]
 
 
 def _enabled_scaler(grad_scaler, optimizer):
@@ -121,10 +107,10 @@ def save_checkpoint(
     if scaler is not None:
         entries[GRAD_SCALER] = scaler.state_dict()
     entries[META] = {"step": step, "extra": extra}
-    tmp = _on_rank0(lambda: directory.prepare(root, step))
+    tmp = directory.on_rank0(lambda: directory.prepare(root, step))
     dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkedSavePlanner(chunked))
     dist.barrier()  # every rank's files are complete before the rename makes them the checkpoint
-    return _on_rank0(lambda: directory.commit(root, step))
+    return directory.on_rank0(lambda: directory.commit(root, step))
 
 
 @torch.no_grad()

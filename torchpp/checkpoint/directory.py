@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
 
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
@@ -36,9 +38,14 @@ def latest_checkpoint(root: str) -> Optional[str]:
 
 def prepare(root: str, step: int) -> str:
     """Creates an empty `step_N.tmp` (removing a crashed save's leftovers); returns its path."""
-    final = step_dir(root, step)
-    if os.path.exists(final):  # replacing it could not be atomic: `latest` may name it
-        raise FileExistsError(f"torchpp.checkpoint: {final} already exists; save each step once")
+    return prepare_directory(step_dir(root, step), "save each step once")
+
+
+def prepare_directory(final: str, hint: str = "choose a new directory") -> str:
+    """Creates an empty `final.tmp` to write into (removing a crashed save's leftovers);
+    `final` itself must not exist: replacing it could not be atomic."""
+    if os.path.exists(final):
+        raise FileExistsError(f"torchpp.checkpoint: {final} already exists; {hint}")
     tmp = final + TMP_SUFFIX
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -46,10 +53,30 @@ def prepare(root: str, step: int) -> str:
     return tmp
 
 
+def commit_directory(final: str) -> str:
+    """Renames the complete `final.tmp` to `final`, durably; returns `final`."""
+    os.rename(final + TMP_SUFFIX, final)
+    _fsync_dir(os.path.dirname(os.path.abspath(final)))
+    return final
+
+
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """Runs fn on global rank 0 and returns its result on every rank; its error raises everywhere."""
+    box = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except Exception as error:  # noqa: BLE001 (re-raised on every rank below)
+            box[1] = f"{type(error).__name__}: {error}"
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise RuntimeError(f"torchpp.checkpoint: rank 0 failed: {box[1]}")
+    return box[0]
+
+
 def commit(root: str, step: int) -> str:
     """Renames `step_N.tmp` to `step_N` and points `latest` at it; returns the final path."""
-    final, tmp = step_dir(root, step), step_dir(root, step) + TMP_SUFFIX
-    os.rename(tmp, final)
+    final = commit_directory(step_dir(root, step))
     pointer = os.path.join(root, LATEST + TMP_SUFFIX)
     with open(pointer, "w") as f:
         f.write(os.path.basename(final) + "\n")

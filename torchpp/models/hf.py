@@ -24,6 +24,7 @@ from torchpp.models.hf_convert import Export
 from torchpp.models.hf_gpt2 import GPT2Family
 from torchpp.models.hf_layers import CausalLMStage
 from torchpp.models.hf_llama import LlamaFamily
+from torchpp.models.hf_checkpoint import materialize_meta
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel, rank_grid
 from torchpp.recompute import check_recompute_mode
 from torchpp.tensor_parallel.embedding import padded_vocab_size
@@ -156,6 +157,14 @@ class ParallelCausalLM(nn.Module):
         self.schedule = None
         self.grad_scaler = None  # fp16: scales each backward's loss seed (parallelize(grad_scaler=...))
         self._batch_rows = self._batch_tokens = 0
+        self.tied_names: Dict[str, str] = {}  # HF name of a tied head -> its embedding's
+        self.weights_pending = False  # wrapped from the meta device, not loaded yet
+        self.hf_config = None  # the original model's config, written with save_hf_checkpoint
+
+    def _check_loaded(self) -> None:
+        if self.weights_pending:
+            raise RuntimeError("torchpp: the model was wrapped from the meta device and holds no weights yet; fill it "
+                               "with torchpp.models.load_hf_weights(model, checkpoint) first")
 
     @property
     def has_first_stage(self) -> bool:
@@ -170,6 +179,7 @@ class ParallelCausalLM(nn.Module):
         """Logits [b, s, padded V / t] of this rank's vocabulary slice (pp=1 only)."""
         if self.schedule is not None:
             raise RuntimeError("torchpp: a pipelined model runs through step(input_ids, labels)")
+        self._check_loaded()
         return self.stages[0](input_ids, attention_mask, position_ids)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -209,6 +219,7 @@ class ParallelCausalLM(nn.Module):
             The batch's mean loss on ranks holding the last stage (DualPipe: both end
             ranks), else None.
         """
+        self._check_loaded()
         if self.schedule is None:
             loss = self.loss(self(input_ids, attention_mask, position_ids), labels)
             scaler = self.grad_scaler
@@ -227,6 +238,7 @@ class ParallelCausalLM(nn.Module):
         """The batch's mean loss without a backward (validation): forward only, over the
         pipeline's ``eval``; no gradient is touched. Arguments and result as ``step``. (Call
         ``model.eval()`` first to turn dropout off, as for any module.)"""
+        self._check_loaded()
         if self.schedule is not None:
             return self._pipeline_loss(self.schedule.eval, input_ids, labels, losses, attention_mask, position_ids)
         with torch.no_grad():
@@ -351,7 +363,8 @@ def parallelize(
 
     Args:
         model: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
-            Phi3ForCausalLM or GPT2LMHeadModel, identical on every rank.
+            Phi3ForCausalLM or GPT2LMHeadModel, identical on every rank; or built on the meta
+            device, whose shards ``load_hf_weights`` then fills from a checkpoint.
         tp: tensor-parallel size (default: the parallel state's).
         pp: pipeline-parallel size (default: the parallel state's).
         schedule: pipeline schedule name (torchpp.schedule.SCHEDULES) when pp > 1; zero-bubble
@@ -384,6 +397,9 @@ def parallelize(
     ctx = ConversionContext(state.tp_group, sequence_parallel, recompute, split_bw=state.pp > 1)
     family = FAMILIES[model_type](model, ctx)
     if isinstance(split, str) and split == "auto":
+        if any(param.is_meta for param in model.parameters()):
+            raise ValueError("torchpp.parallelize: split='auto' times the model's layers, which a meta-device model "
+                             "cannot run; give split=[...] or build the model with weights")
         from torchpp.models.auto_split import auto_split
 
         split = auto_split(model, num_stages, state.pp, rank_of)
@@ -410,8 +426,12 @@ def parallelize(
     if num_pipelines == 2:
         loss_group = _end_ranks_group(state, rank_of[first], rank_of[last])
     stages = [built[i] for i in mine]
-    wrapped = ParallelCausalLM(stages, mine, state, ctx, family.vocab_size, embedding_group,
-                               loss_group).to(state.device)
+    wrapped = ParallelCausalLM(stages, mine, state, ctx, family.vocab_size, embedding_group, loss_group)
+    wrapped.weights_pending = materialize_meta(wrapped, state.device)  # filled by load_hf_weights
+    wrapped.to(state.device)
+    wrapped.hf_config = model.config
+    if family.tied:
+        wrapped.tied_names = dict(getattr(model, "_tied_weights_keys", None) or {})
     wrapped.grad_scaler = grad_scaler
     if state.pp > 1:
         from torchpp.pipeline import PipelineStage, build_schedule

@@ -1,14 +1,14 @@
 """Turning Hugging Face projections into TP layers, and their shards back into HF tensors.
 
 Every converted parameter is recorded with the HF state-dict name it came from and how the
-TP shards reassemble into that tensor (``Export``), so a wrapped model can be compared with,
-or saved as, the original.
+TP shards relate to that tensor (``Export``, its ``Layout``), so a wrapped model can be
+compared with, saved as, or loaded from the original's checkpoint (``hf_checkpoint``).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -17,8 +17,65 @@ from torchpp import tensor_parallel as tp
 from torchpp.models.hf_layers import ParallelLMHead
 from torchpp.tensor_parallel.embedding import pad_rows
 
-# Reassembles a parameter of the HF layout from its TP shards (in TP-rank order).
-Unshard = Callable[[List[torch.Tensor]], torch.Tensor]
+class Layout:
+    """How one parameter's TP shards (in TP-rank order) relate to the HF tensor: calling it
+    reassembles the HF tensor, ``shard`` cuts TP rank ``rank``'s shard out of it (loading)."""
+
+    def __call__(self, shards: List[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shard(self, full: torch.Tensor, rank: int, size: int, local_shape: torch.Size) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Replicated(Layout):
+    def __call__(self, shards):
+        return shards[0]
+
+    def shard(self, full, rank, size, local_shape):
+        return full
+
+
+class _Concatenated(Layout):
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def __call__(self, shards):
+        return torch.cat(shards, dim=self.dim)
+
+    def shard(self, full, rank, size, local_shape):
+        return full.narrow(self.dim, rank * local_shape[self.dim], local_shape[self.dim])
+
+
+replicated = _Replicated()
+cat_rows = _Concatenated(0)
+cat_columns = _Concatenated(1)
+
+
+class TrimmedRows(Layout):
+    """Concatenated vocabulary shards without the padding rows (zero rows when loading)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def __call__(self, shards):
+        return torch.cat(shards, dim=0)[: self.rows]
+
+    def shard(self, full, rank, size, local_shape):
+        return cat_rows.shard(pad_rows(full, local_shape[0] * size), rank, size, local_shape)
+
+
+class Transposed(Layout):
+    """For GPT-2's Conv1D, whose weight is the transpose ([in, out]) of nn.Linear's."""
+
+    def __init__(self, inner: Layout):
+        self.inner = inner
+
+    def __call__(self, shards):
+        return self.inner(shards).t()
+
+    def shard(self, full, rank, size, local_shape):
+        return self.inner.shard(full.t(), rank, size, local_shape)
 
 
 @dataclass
@@ -27,29 +84,7 @@ class Export:
 
     hf_name: str
     param: nn.Parameter
-    unshard: Unshard
-
-
-def replicated(shards: List[torch.Tensor]) -> torch.Tensor:
-    return shards[0]
-
-
-def cat_rows(shards: List[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(shards, dim=0)
-
-
-def cat_columns(shards: List[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(shards, dim=1)
-
-
-def trimmed_rows(rows: int) -> Unshard:
-    """Concatenated vocabulary shards without the padding rows."""
-    return lambda shards: torch.cat(shards, dim=0)[:rows]
-
-
-def transposed(unshard: Unshard) -> Unshard:
-    """For GPT-2's Conv1D, whose weight is the transpose ([in, out]) of nn.Linear's."""
-    return lambda shards: unshard(shards).t()
+    unshard: Layout
 
 
 def linear_from_conv1d(conv: nn.Module) -> nn.Linear:
@@ -80,15 +115,19 @@ def group_fused(linear: nn.Linear, sizes: Sequence[int], tp_size: int) -> nn.Lin
     return grouped
 
 
-def ungroup_fused(sizes: Sequence[int], tp_size: int) -> Unshard:
+class UngroupFused(Layout):
     """Inverse of ``group_fused`` on the TP shards."""
 
-    def unshard(shards: List[torch.Tensor]) -> torch.Tensor:
-        local = [size // tp_size for size in sizes]
-        per_rank = [shard.split(local) for shard in shards]
-        return torch.cat([torch.cat([pieces[block] for pieces in per_rank]) for block in range(len(sizes))])
+    def __init__(self, sizes: Sequence[int], tp_size: int):
+        self.sizes, self.tp_size = list(sizes), tp_size
 
-    return unshard
+    def __call__(self, shards):
+        local = [size // self.tp_size for size in self.sizes]
+        per_rank = [shard.split(local) for shard in shards]
+        return torch.cat([torch.cat([pieces[block] for pieces in per_rank]) for block in range(len(self.sizes))])
+
+    def shard(self, full, rank, size, local_shape):
+        return cat_rows.shard(_regroup(full, self.sizes, size), rank, size, local_shape)
 
 
 def padded_linear(linear: nn.Linear, rows: int) -> nn.Linear:
@@ -108,10 +147,10 @@ def row(linear: nn.Linear, **kwargs) -> tp.RowParallelLinear:
     return tp.RowParallelLinear.from_linear(linear, input_is_parallel=True, **kwargs)
 
 
-def export_linear(exports: List[Export], layer: nn.Module, hf_prefix: str, weight: Unshard,
-                  bias: Optional[Unshard], conv1d: bool = False) -> None:
+def export_linear(exports: List[Export], layer: nn.Module, hf_prefix: str, weight: Layout,
+                  bias: Optional[Layout], conv1d: bool = False) -> None:
     """Records a TP linear's weight (and bias) under ``hf_prefix.weight`` / ``.bias``."""
-    exports.append(Export(f"{hf_prefix}.weight", layer.weight, transposed(weight) if conv1d else weight))
+    exports.append(Export(f"{hf_prefix}.weight", layer.weight, Transposed(weight) if conv1d else weight))
     if layer.bias is not None and bias is not None:
         exports.append(Export(f"{hf_prefix}.bias", layer.bias, bias))
 
@@ -121,7 +160,7 @@ def fused_column(ctx, linear: nn.Linear, blocks: Sequence[int], hf_prefix: str,
     """A fused projection (``blocks``: its row blocks) as one column-parallel layer whose rank r
     holds its share of every block, exported under ``hf_prefix``."""
     layer = column(group_fused(linear, blocks, ctx.tp_size), **ctx.linear_kwargs)
-    unshard = ungroup_fused(blocks, ctx.tp_size)
+    unshard = UngroupFused(blocks, ctx.tp_size)
     export_linear(ctx.exports, layer, hf_prefix, unshard, unshard, conv1d=conv1d)
     return layer
 
@@ -138,5 +177,5 @@ def lm_head(ctx, norm: nn.Module, norm_name: str, output: nn.Linear, vocab_size:
     norm = copy.deepcopy(norm)
     export_module(ctx.exports, norm, norm_name)
     projection = column(padded_linear(output, ctx.padded_vocab(vocab_size)), **ctx.linear_kwargs)
-    ctx.exports.append(Export("lm_head.weight", projection.weight, trimmed_rows(vocab_size)))
+    ctx.exports.append(Export("lm_head.weight", projection.weight, TrimmedRows(vocab_size)))
     return ParallelLMHead(norm, projection, ctx.sequence_parallel)

@@ -38,7 +38,7 @@ class GPT2Family:
         ctx, transformer = self.ctx, self.model.transformer
         tokens = tp.VocabParallelEmbedding.from_embedding(transformer.wte, pad_vocab=True, **ctx.embedding_kwargs)
         positions = copy.deepcopy(transformer.wpe)
-        ctx.exports.append(C.Export("transformer.wte.weight", tokens.weight, C.trimmed_rows(self.vocab_size)))
+        ctx.exports.append(C.Export("transformer.wte.weight", tokens.weight, C.TrimmedRows(self.vocab_size)))
         C.export_module(ctx.exports, positions, "transformer.wpe")
         return ParallelTokenEmbedding(tokens, positions, self.config.embd_pdrop, ctx.sequence_parallel)
 

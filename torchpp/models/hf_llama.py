@@ -45,12 +45,16 @@ class LlamaFamily:
         self._apply_rope = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
 
     def rotary(self) -> nn.Module:
-        return copy.deepcopy(self.model.model.rotary_emb)
+        rotary = self.model.model.rotary_emb
+        if any(buffer.is_meta for buffer in rotary.buffers()):  # a meta model: recompute its frequencies
+            return type(rotary)(config=self.config)
+        return copy.deepcopy(rotary)
 
     def embedding(self) -> ParallelTokenEmbedding:
         tokens = tp.VocabParallelEmbedding.from_embedding(self.model.model.embed_tokens, pad_vocab=True, **self.ctx.embedding_kwargs)
-        self.ctx.exports.append(C.Export("model.embed_tokens.weight", tokens.weight, C.trimmed_rows(self.vocab_size)))
-        scale = getattr(self.model.model.embed_tokens, "embed_scale", None)  # Gemma's sqrt(hidden)
+        self.ctx.exports.append(C.Export("model.embed_tokens.weight", tokens.weight, C.TrimmedRows(self.vocab_size)))
+        embed = self.model.model.embed_tokens
+        scale = getattr(embed, "scalar_embed_scale", getattr(embed, "embed_scale", None))  # Gemma's sqrt(hidden)
         return ParallelTokenEmbedding(tokens, sequence_parallel=self.ctx.sequence_parallel,
                                       scale=None if scale is None else float(scale))
 

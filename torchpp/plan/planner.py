@@ -8,7 +8,6 @@ of a step is the schedule simulator's makespan; DP gradient reduction is added, 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from torchpp.plan.memory import RECOMPUTE, layer_activation_bytes, model_state_bytes
@@ -116,7 +115,7 @@ def plan(model: ModelConfig, cluster: Cluster, training: Training) -> Plan:
     for layout in _layouts(model, cluster, training):
         try:
             candidate = evaluate(model, cluster, training, layout)
-        except ValueError as error:  # the schedule cannot serve (p, m, v)
+        except ValueError:  # the schedule cannot serve (p, m, v)
             rejected["schedule constraint"] = rejected.get("schedule constraint", 0) + 1
             continue
         if candidate.memory_per_gpu > cluster.gpu_memory:

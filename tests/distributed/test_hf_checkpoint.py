@@ -1,0 +1,135 @@
+"""A model built on the meta device, wrapped, then filled by load_hf_weights from the checkpoint
+save_pretrained wrote equals the model wrapped with its weights: every parameter and buffer,
+and a step's loss and gradients against the unwrapped model. save_hf_checkpoint writes it back
+as a checkpoint that from_pretrained reads bit for bit."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchpp
+from torchpp.models import load_hf_weights, parallelize, save_hf_checkpoint
+from hf_reference import check_wrapped_step, inputs_of, reference_step, tiny_model
+
+TIMEOUT_S = 150
+
+# (family, pp, schedule, tied, checkpoint form); tp=2 throughout, 4 ranks (dp = 2 when pp = 1).
+CASES = (
+    ("llama", 1, "1f1b", False, "safetensors"),
+    # Conv1D weights stored transposed; the tied head is not in the checkpoint, and its rank
+    # holds a copy of the embedding's table.
+    ("gpt2", 2, "zb-h1", True, "sharded"),
+    # Fused qkv and gate_up, regrouped per TP rank on the way in.
+    ("phi3", 2, "1f1b", False, "state_dict"),
+    # Scaled embeddings, tied on one rank; per-head norms; both ends of DualPipe.
+    ("gemma", 1, "1f1b", True, "bin"),
+    ("qwen3", 2, "dualpipe", False, "sharded"),
+)
+
+
+def _save(model, form, directory):
+    if dist.get_rank() == 0:
+        if form == "sharded":  # several files and model.safetensors.index.json
+            model.save_pretrained(directory, max_shard_size="30KB")
+            assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
+        elif form == "bin":
+            os.makedirs(directory, exist_ok=True)
+            torch.save(model.state_dict(), os.path.join(directory, "pytorch_model.bin"))
+        elif form == "safetensors":
+            model.save_pretrained(directory)
+    dist.barrier()
+    return model.state_dict() if form == "state_dict" else directory
+
+
+def check_load(case, directory):
+    kind, pp, schedule, tied, form = case
+    state = torchpp.init_parallel(tp=2, pp=pp)
+    model = tiny_model(kind, tied=tied)
+    checkpoint = _save(model, form, directory)
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    wrapped = parallelize(meta, schedule=schedule, n_microbatches=4, state=state)
+    ids, labels, _, _ = inputs_of("plain", model.config.vocab_size)
+    with pytest.raises(RuntimeError, match="load_hf_weights"):
+        wrapped.step(ids, labels)
+    load_hf_weights(wrapped, checkpoint)
+
+    what = f"{kind} pp={pp} {schedule} {form}"
+    expected = parallelize(model, schedule=schedule, n_microbatches=4, state=state)
+    got_params, want_params = dict(wrapped.named_parameters()), dict(expected.named_parameters())
+    assert got_params.keys() == want_params.keys(), what
+    for name, param in got_params.items():
+        assert torch.equal(param, want_params[name]), f"{what}: {name}"
+    want_buffers = dict(expected.named_buffers())
+    for name, buffer in wrapped.named_buffers():
+        assert torch.equal(buffer, want_buffers[name]), f"{what}: buffer {name}"
+    _check_saved(wrapped, model, os.path.join(directory, "saved"), what)
+    _, ref_loss, ref_grads = reference_step(copy.deepcopy(model), ids, labels)
+    return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what)
+
+
+def _check_saved(wrapped, model, directory, what):
+    """save_hf_checkpoint's folder: every tensor of the original, bit for bit, through
+    from_pretrained; the tied head left out; one file per pipeline rank holding new stages."""
+    assert save_hf_checkpoint(wrapped, directory) == directory
+    assert not os.path.exists(directory + ".tmp"), what
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    want = model.state_dict()
+    tied = model.config.tie_word_embeddings
+    assert set(weight_map) == set(want) - ({"lm_head.weight"} if tied else set()), what
+    files = sorted(set(weight_map.values()))
+    dualpipe = "dualpipe" in what  # rank 1 holds rank 0's stages again: nothing new to write
+    assert len(files) == (1 if dualpipe else wrapped.state.pp), (what, files)
+    reloaded = type(model).from_pretrained(directory)
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, want[name]), f"{what}: saved {name}"
+
+
+def check_all(directory):
+    return [check_load(case, os.path.join(directory, str(i))) for i, case in enumerate(CASES)]
+
+
+def test_meta_model_loaded_from_checkpoint_equals_wrapped_model(ranks, tmp_path):
+    per_rank = ranks(4).run(check_all, str(tmp_path), timeout=TIMEOUT_S)
+    for i in range(len(CASES)):
+        assert any(names[i] for names in per_rank), CASES[i]
+
+
+def check_errors(directory):
+    state = torchpp.init_parallel(tp=2, pp=1)
+    model = tiny_model("llama")
+    _save(model, "safetensors", directory)
+    with torch.device("meta"):
+        other = type(model)(type(model.config)(**{**model.config.to_dict(), "intermediate_size": 96}))
+    wrapped = parallelize(other, state=state)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.(gate|up|down)_proj.weight of shape"):
+        load_hf_weights(wrapped, directory)
+    partial = {k: v for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        load_hf_weights(parallelize(model, state=state), partial)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_hf_weights(wrapped, os.path.join(directory, "missing"))
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    with pytest.raises(ValueError, match="split='auto'"):
+        parallelize(meta, split="auto", state=torchpp.init_parallel(tp=1, pp=2))
+    # A save never replaces a folder (not atomically possible); a crashed save's leftovers go.
+    saved, wrapped = os.path.join(directory, "saved"), parallelize(model, state=state)
+    with pytest.raises(RuntimeError, match="already exists"):
+        save_hf_checkpoint(wrapped, directory)
+    if dist.get_rank() == 0:
+        os.makedirs(saved + ".tmp")
+        open(os.path.join(saved + ".tmp", "model-00001-of-00009.safetensors"), "w").close()
+    dist.barrier()
+    save_hf_checkpoint(wrapped, saved)
+    assert sorted(os.listdir(saved)) == ["config.json", "model-00001-of-00001.safetensors",
+                                         "model.safetensors.index.json"]
+    return True
+
+
+def test_clear_errors(ranks, tmp_path):
+    assert ranks(4).run(check_errors, str(tmp_path), timeout=60) == [True] * 4
