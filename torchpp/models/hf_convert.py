@@ -171,11 +171,13 @@ def export_module(exports: List[Export], module: nn.Module, hf_prefix: str) -> N
         exports.append(Export(f"{hf_prefix}.{name}", param, replicated))
 
 
-def lm_head(ctx, norm: nn.Module, norm_name: str, output: nn.Linear, vocab_size: int):
+def lm_head(ctx, norm: nn.Module, norm_name: str, output: nn.Linear, vocab_size: int,
+            softcap: Optional[float] = None):
     """The last stage's final norm and vocab-parallel output projection (vocab padded to the TP
-    size), exported under the HF names ``norm_name`` and ``lm_head.weight``."""
+    size; logits capped by ``softcap``), exported under the HF names ``norm_name`` and
+    ``lm_head.weight``."""
     norm = copy.deepcopy(norm)
     export_module(ctx.exports, norm, norm_name)
     projection = column(padded_linear(output, ctx.padded_vocab(vocab_size)), **ctx.linear_kwargs)
     ctx.exports.append(Export("lm_head.weight", projection.weight, TrimmedRows(vocab_size)))
-    return ParallelLMHead(norm, projection, ctx.sequence_parallel)
+    return ParallelLMHead(norm, projection, ctx.sequence_parallel, softcap)

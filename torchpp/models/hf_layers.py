@@ -49,11 +49,12 @@ def packed_segments(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
 
 def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
                    sliding_window: Optional[int], keep: Optional[torch.Tensor] = None,
-                   segments: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   segments: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this rank's heads: [b, hq, s, d] x [b, hkv, s, d] -> [b, hq, s, d].
     ``keep`` [b, s] (bool) hides the keys of padding tokens, as transformers' attention_mask;
     a query that sees no key at all (left padding) gets zeros, as from SDPA in transformers.
     ``segments`` [b, s] confines each token to its own packed sequence (``packed_segments``).
+    ``softcap`` bounds the scores to (-softcap, softcap) by tanh before the mask (Gemma 2).
 
     The piece selective recompute redoes: it holds the s x s scores and probabilities.
     """
@@ -69,12 +70,33 @@ def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
         if segments is not None:
             mask = mask & (segments[:, None, :, None] == segments[:, None, None, :])
     p = dropout if training else 0.0
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, mask, scaling, softcap, p)
     # Heads are split over TP ranks, so attention dropout draws from the per-TP-rank stream.
     with tp.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None, scale=scaling,
             enable_gqa=q.shape[1] != k.shape[1],
         )
+
+
+def _softcapped_attention(q, k, v, mask: Optional[torch.Tensor], scaling: float, softcap: float,
+                          p: float) -> torch.Tensor:
+    # SDPA cannot cap the scores, so this spells attention out as transformers' eager path does:
+    # the mask adds the dtype's minimum, so a query with no key left gets uniform weights (not
+    # NaN) and, as there, its gradient still reaches the scores.
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scaling / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    scores = scores + bias.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if p > 0:
+        with tp.get_rng_tracker().fork():
+            probs = F.dropout(probs, p)
+    return torch.matmul(probs, v)
 
 
 class SeparateQKV(nn.Module):
@@ -119,13 +141,16 @@ class ParallelSelfAttention(nn.Module):
         sliding_window: Mistral's (or a Qwen2 layer's) window: keys that far back or further are masked; or None.
         recompute_core: recompute the attention core in backward (selective recompute).
         q_norm, k_norm: Qwen3's norms over each query / key head, before rotary; or None.
+        softcap: Gemma 2's bound on the attention scores (tanh), or None.
     """
 
     def __init__(self, qkv: nn.Module, out_proj: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int,
                  scaling: float, dropout: float = 0.0, apply_rope: Optional[Callable] = None,
                  sliding_window: Optional[int] = None, recompute_core: bool = False,
-                 q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None):
+                 q_norm: Optional[nn.Module] = None, k_norm: Optional[nn.Module] = None,
+                 softcap: Optional[float] = None):
         super().__init__()
+        self.softcap = softcap
         self.qkv = qkv
         self.out_proj = out_proj
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -150,7 +175,7 @@ class ParallelSelfAttention(nn.Module):
         if self.apply_rope is not None:
             q, k = self.apply_rope(q, k, *rope)
         options = dict(scaling=self.scaling, dropout=self.dropout, training=self.training,
-                       sliding_window=self.sliding_window, keep=keep, segments=segments)
+                       sliding_window=self.sliding_window, keep=keep, segments=segments, softcap=self.softcap)
         if self.recompute_core:
             core = recompute.checkpoint(attention_core, q, k, v, **options)
         else:
@@ -159,7 +184,7 @@ class ParallelSelfAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim} (per rank), "
-                f"sliding_window={self.sliding_window}, recompute_core={self.recompute_core}")
+                f"sliding_window={self.sliding_window}, softcap={self.softcap}, recompute_core={self.recompute_core}")
 
 
 class GatedMLP(nn.Module):
@@ -197,31 +222,38 @@ class MLP(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block: x + drop(attn(norm1(x))), then + drop(mlp(norm2(x))).
+    """Pre-norm residual block: x + drop(attn(norm1(x))), then + drop(mlp(norm2(x))); with
+    Gemma 2's sandwich norms, x + post_norm1(attn(norm1(x))), then + post_norm2(mlp(norm2(x))).
 
     Args:
-        norm1, norm2: the HF block's norms (copied, replicated over TP).
+        norm1, norm2: the HF block's norms before attention and MLP (copied, replicated over TP).
         attention: ParallelSelfAttention.
         mlp: GatedMLP or MLP.
         dropout: residual dropout (GPT-2's resid_pdrop; 0 for Llama/Mistral).
         sequence_parallel: the residual stream is this rank's sequence slice.
+        post_norm1, post_norm2: norms of the attention and MLP outputs (Gemma 2), or None.
     """
 
     def __init__(self, norm1: nn.Module, attention: nn.Module, norm2: nn.Module, mlp: nn.Module,
-                 dropout: float = 0.0, sequence_parallel: bool = False):
+                 dropout: float = 0.0, sequence_parallel: bool = False, post_norm1: Optional[nn.Module] = None,
+                 post_norm2: Optional[nn.Module] = None):
         super().__init__()
         self.norm1, self.attention, self.norm2, self.mlp = norm1, attention, norm2, mlp
+        self.post_norm1, self.post_norm2 = post_norm1, post_norm2
         self.dropout = dropout
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:  # norms see a sequence slice: their gradients are partial per TP rank
-            tp.mark_sequence_parallel(norm1)
-            tp.mark_sequence_parallel(norm2)
+            for norm in (norm1, norm2, post_norm1, post_norm2):
+                if norm is not None:
+                    tp.mark_sequence_parallel(norm)
 
     def forward(self, x: torch.Tensor, rope: Rope = None, keep: Optional[torch.Tensor] = None,
                 segments: Optional[torch.Tensor] = None) -> torch.Tensor:
         drop = lambda y: tp_dropout(y, self.dropout, self.training, self.sequence_parallel)  # noqa: E731
-        x = x + drop(self.attention(self.norm1(x), rope, keep, segments))
-        return x + drop(self.mlp(self.norm2(x)))
+        attended = self.attention(self.norm1(x), rope, keep, segments)
+        x = x + drop(attended if self.post_norm1 is None else self.post_norm1(attended))
+        transformed = self.mlp(self.norm2(x))
+        return x + drop(transformed if self.post_norm2 is None else self.post_norm2(transformed))
 
 
 class ParallelTokenEmbedding(nn.Module):
@@ -261,16 +293,22 @@ class ParallelTokenEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Final norm and the vocab-parallel output layer; returns this rank's logits [b, s, V/t]."""
+    """Final norm and the vocab-parallel output layer; returns this rank's logits [b, s, V/t],
+    bounded to (-softcap, softcap) by tanh when ``softcap`` is given (Gemma 2)."""
 
-    def __init__(self, norm: nn.Module, output: tp.ColumnParallelLinear, sequence_parallel: bool = False):
+    def __init__(self, norm: nn.Module, output: tp.ColumnParallelLinear, sequence_parallel: bool = False,
+                 softcap: Optional[float] = None):
         super().__init__()
         self.norm, self.output = norm, output
+        self.softcap = softcap
         if sequence_parallel:
             tp.mark_sequence_parallel(norm)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(hidden))
+        logits = self.output(self.norm(hidden))
+        if self.softcap is not None:  # elementwise: each rank caps its own vocabulary slice
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 class CausalLMStage(nn.Module):

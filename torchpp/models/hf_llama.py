@@ -1,5 +1,5 @@
-"""Converting transformers' Llama, Mistral, Qwen2, Qwen3, Gemma and Phi-3 causal LMs into TP
-stage pieces."""
+"""Converting transformers' Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2 and Phi-3 causal LMs
+into TP stage pieces."""
 from __future__ import annotations
 
 import copy
@@ -19,7 +19,9 @@ class LlamaFamily:
     """Llama-style decoder (RMSNorm, rotary, GQA, gated MLP); Mistral adds a sliding window, Qwen2
     q/k/v biases and a sliding window on some layers only, Qwen3 a norm over each query and key head,
     Gemma a scaled token embedding (its (1 + weight) norms are the model's own modules, copied),
-    Phi-3 fused qkv and gate_up projections and residual dropout.
+    Gemma 2 norms after attention and MLP too, tanh-capped attention scores and logits, and a
+    sliding window on alternate layers, Phi-3 fused qkv and gate_up projections and residual
+    dropout.
 
     Args:
         model: the HF causal LM (left untouched; its tensors are copied into shards).
@@ -70,14 +72,26 @@ class LlamaFamily:
             num_heads=config.num_attention_heads // t, num_kv_heads=config.num_key_value_heads // t,
             head_dim=attn.head_dim, scaling=attn.scaling, dropout=config.attention_dropout,
             apply_rope=self._apply_rope, sliding_window=self._sliding_window(attn),
-            recompute_core=ctx.recompute == "selective", **self._head_norms(attn, prefix),
+            recompute_core=ctx.recompute == "selective", softcap=getattr(config, "attn_logit_softcapping", None),
+            **self._head_norms(attn, prefix),
         )
         mlp = self._mlp(layer.mlp, prefix)
-        norm1, norm2 = copy.deepcopy(layer.input_layernorm), copy.deepcopy(layer.post_attention_layernorm)
-        C.export_module(ctx.exports, norm1, f"{prefix}.input_layernorm")
-        C.export_module(ctx.exports, norm2, f"{prefix}.post_attention_layernorm")
-        return DecoderBlock(norm1, attention, norm2, mlp, dropout=getattr(config, "resid_pdrop", 0.0),
-                            sequence_parallel=ctx.sequence_parallel)
+        return DecoderBlock(attention=attention, mlp=mlp, dropout=getattr(config, "resid_pdrop", 0.0),
+                            sequence_parallel=ctx.sequence_parallel, **self._norms(layer, prefix))
+
+    def _norms(self, layer: nn.Module, prefix: str) -> dict:
+        """The block's norms, copied and exported: before attention and MLP, and Gemma 2's after
+        each too (its post_attention_layernorm follows attention; pre_feedforward_layernorm
+        precedes the MLP)."""
+        names = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm"}
+        if hasattr(layer, "pre_feedforward_layernorm"):
+            names = {"norm1": "input_layernorm", "post_norm1": "post_attention_layernorm",
+                     "norm2": "pre_feedforward_layernorm", "post_norm2": "post_feedforward_layernorm"}
+        norms = {}
+        for role, name in names.items():
+            norms[role] = copy.deepcopy(getattr(layer, name))
+            C.export_module(self.ctx.exports, norms[role], f"{prefix}.{name}")
+        return norms
 
     def _qkv(self, attn: nn.Module, prefix: str) -> nn.Module:
         """Column-parallel q, k and v: separate, or Phi-3's fused qkv_proj with its rows grouped by rank."""
@@ -122,4 +136,5 @@ class LlamaFamily:
         return norms
 
     def head(self) -> ParallelLMHead:
-        return C.lm_head(self.ctx, self.model.model.norm, "model.norm", self.model.lm_head, self.vocab_size)
+        return C.lm_head(self.ctx, self.model.model.norm, "model.norm", self.model.lm_head, self.vocab_size,
+                         softcap=getattr(self.config, "final_logit_softcapping", None))
