@@ -1,7 +1,7 @@
 """Tiny random transformers models (no downloads) and comparisons of wrapped vs unwrapped."""
 import torch
 from transformers import (
-    Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
@@ -17,7 +17,8 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
     heads are wider than hidden / heads, and its per-head q/k norm weights are random, not ones.
     Gemma scales its embeddings by sqrt(hidden); its token 0 is padding (no gradient). Gemma 2 adds
     norms after attention and MLP, a window on alternate layers and tanh caps on attention scores
-    and logits, low enough (and q/k weights large enough) that the caps bite. Phi-3 fuses
+    and logits, low enough (and q/k weights large enough) that the caps bite. Gemma 3 rotates its
+    alternating window and full layers by tables of far-apart bases, and has q/k norms. Phi-3 fuses
     q, k and v (GQA: k and v narrower than q) and gate and up into one projection each, and its
     rotary covers half of each head."""
     torch.manual_seed(1234)
@@ -63,6 +64,19 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
             for layer in model.model.layers:
                 layer.self_attn.q_proj.weight.mul_(8)
                 layer.self_attn.k_proj.weight.mul_(8)
+    elif kind == "gemma3":
+        config = Gemma3TextConfig(
+            vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+            attention_dropout=dropout, tie_word_embeddings=True if tied is None else tied)
+        model = Gemma3ForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(-0.5, 0.5)
+                layer.self_attn.k_norm.weight.uniform_(-0.5, 0.5)
     elif kind == "phi3":
         config = Phi3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

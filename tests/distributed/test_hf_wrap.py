@@ -1,4 +1,4 @@
-"""torchpp.models.parallelize on transformers' Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3
+"""torchpp.models.parallelize on transformers' Llama, Mistral, Qwen2, Qwen3, Gemma 1 to 3, Phi-3
 and GPT-2 equals the unwrapped model:
 logits, loss and every gradient, under tp=2 (with and without sequence parallelism) and
 pp=2 x tp=2 over the pipeline runtime."""
@@ -44,13 +44,14 @@ def check_tp_equivalence(kind, sequence_parallel, inputs="plain"):
 
 
 def check_all_tp():
-    for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2"):
+    for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "gpt2"):
         check_tp_equivalence(kind, sequence_parallel=False)
     check_tp_equivalence("llama", sequence_parallel=True)
     check_tp_equivalence("gpt2", sequence_parallel=True)
     check_tp_equivalence("qwen3", sequence_parallel=True)
     check_tp_equivalence("gemma", sequence_parallel=True, inputs="padded")
     check_tp_equivalence("gemma2", sequence_parallel=True, inputs="padded")
+    check_tp_equivalence("gemma3", sequence_parallel=True, inputs="packed")
     check_tp_equivalence("phi3", sequence_parallel=True, inputs="packed")
     # Padding (right and left): the attention_mask hides padded keys, as in transformers.
     check_tp_equivalence("llama", sequence_parallel=True, inputs="padded")
@@ -151,6 +152,8 @@ PIPELINES = (
     ("gemma", "1f1b", "selective", True, "plain"),
     # Gemma 2: sandwich norms, capped scores and logits, windows on the first stage's layer 0 only.
     ("gemma2", "zb-h1", "selective", True, "padded"),
+    # Gemma 3: each stage computes the rotary tables of the layer types it holds.
+    ("gemma3", "interleaved-1f1b", "full", False, "padded"),
     # Phi-3: fused qkv and gate_up projections, their rows regrouped per TP rank, split B/W.
     ("phi3", "zb-h1", None, False, "padded"),
     # Sequence parallelism: each TP rank sends its own sequence slice down the pipeline.

@@ -6,7 +6,7 @@
     optimizer.step()
 
 Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
-Gemma2ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel (see docs/ptdp.md for what is and is not).
+Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel (see docs/ptdp.md for what is and is not).
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from torchpp.tensor_parallel.embedding import padded_vocab_size
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
 
 FAMILIES = {"llama": LlamaFamily, "mistral": LlamaFamily, "qwen2": LlamaFamily, "qwen3": LlamaFamily,
-            "gemma": LlamaFamily, "gemma2": LlamaFamily, "phi3": LlamaFamily, "gpt2": GPT2Family}
+            "gemma": LlamaFamily, "gemma2": LlamaFamily,
+            "gemma3_text": LlamaFamily, "phi3": LlamaFamily, "gpt2": GPT2Family}
 IGNORE_INDEX = -100
 
 
@@ -363,7 +364,7 @@ def parallelize(
 
     Args:
         model: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
-            Gemma2ForCausalLM, Phi3ForCausalLM or GPT2LMHeadModel, identical on every rank; or built on the meta
+            Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM or GPT2LMHeadModel, identical on every rank; or built on the meta
             device, whose shards ``load_hf_weights`` then fills from a checkpoint.
         tp: tensor-parallel size (default: the parallel state's).
         pp: pipeline-parallel size (default: the parallel state's).

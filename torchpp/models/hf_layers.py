@@ -9,7 +9,7 @@ integer tensors, which need no gradient).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -232,12 +232,15 @@ class DecoderBlock(nn.Module):
         dropout: residual dropout (GPT-2's resid_pdrop; 0 for Llama/Mistral).
         sequence_parallel: the residual stream is this rank's sequence slice.
         post_norm1, post_norm2: norms of the attention and MLP outputs (Gemma 2), or None.
+        rope_key: which of the stage's rotary tables the block uses (Gemma 3's layer type), or
+            None when there is one.
     """
 
     def __init__(self, norm1: nn.Module, attention: nn.Module, norm2: nn.Module, mlp: nn.Module,
                  dropout: float = 0.0, sequence_parallel: bool = False, post_norm1: Optional[nn.Module] = None,
-                 post_norm2: Optional[nn.Module] = None):
+                 post_norm2: Optional[nn.Module] = None, rope_key: Optional[str] = None):
         super().__init__()
+        self.rope_key = rope_key
         self.norm1, self.attention, self.norm2, self.mlp = norm1, attention, norm2, mlp
         self.post_norm1, self.post_norm2 = post_norm1, post_norm2
         self.dropout = dropout
@@ -344,12 +347,14 @@ class CausalLMStage(nn.Module):
         self.tp_size = tp_size
         self.recompute = recompute
 
-    def _rope(self, hidden: torch.Tensor, position_ids: Optional[torch.Tensor]) -> Rope:
+    def _rope(self, hidden: torch.Tensor, position_ids: Optional[torch.Tensor]) -> Union[Rope, Dict[str, Rope]]:
         if self.rotary is None:
             return None
         if position_ids is None:
             seq_len = hidden.shape[1] * (self.tp_size if self.sequence_parallel else 1)
             position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)
+        if getattr(self.rotary, "layer_types", None):  # Gemma 3: a table per attention type
+            return {key: self.rotary(hidden, position_ids, key) for key in {block.rope_key for block in self.blocks}}
         return self.rotary(hidden, position_ids)
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -367,10 +372,11 @@ class CausalLMStage(nn.Module):
         # An all-ones mask hides nothing: the plain causal path, as transformers does.
         keep = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
         for block in self.blocks:
+            block_rope = rope[block.rope_key] if isinstance(rope, dict) else rope
             if self.recompute == "full":
-                x = recompute.checkpoint(block, x, rope, keep, segments)
+                x = recompute.checkpoint(block, x, block_rope, keep, segments)
             else:
-                x = block(x, rope, keep, segments)
+                x = block(x, block_rope, keep, segments)
         if self.head is not None:
             return self.head(x)
         if not extras:

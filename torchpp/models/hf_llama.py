@@ -1,4 +1,4 @@
-"""Converting transformers' Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2 and Phi-3 causal LMs
+"""Converting transformers' Llama, Mistral, Qwen2, Qwen3, Gemma (1 to 3) and Phi-3 causal LMs
 into TP stage pieces."""
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ class LlamaFamily:
     q/k/v biases and a sliding window on some layers only, Qwen3 a norm over each query and key head,
     Gemma a scaled token embedding (its (1 + weight) norms are the model's own modules, copied),
     Gemma 2 norms after attention and MLP too, tanh-capped attention scores and logits, and a
-    sliding window on alternate layers, Phi-3 fused qkv and gate_up projections and residual
+    sliding window on alternate layers, Gemma 3 (text) Qwen3's q/k norms and a rotary table per
+    attention type, Phi-3 fused qkv and gate_up projections and residual
     dropout.
 
     Args:
@@ -76,8 +77,10 @@ class LlamaFamily:
             **self._head_norms(attn, prefix),
         )
         mlp = self._mlp(layer.mlp, prefix)
+        # Gemma 3 rotates sliding-window and full-attention layers by different tables.
+        rope_key = config.layer_types[index] if hasattr(self.model.model.rotary_emb, "layer_types") else None
         return DecoderBlock(attention=attention, mlp=mlp, dropout=getattr(config, "resid_pdrop", 0.0),
-                            sequence_parallel=ctx.sequence_parallel, **self._norms(layer, prefix))
+                            sequence_parallel=ctx.sequence_parallel, rope_key=rope_key, **self._norms(layer, prefix))
 
     def _norms(self, layer: nn.Module, prefix: str) -> dict:
         """The block's norms, copied and exported: before attention and MLP, and Gemma 2's after

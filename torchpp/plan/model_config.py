@@ -74,7 +74,7 @@ def load_model_config(spec: str) -> ModelConfig:
         return default
 
     hidden = pick("hidden_size", "n_embd", "d_model")
-    gated = raw.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
+    gated = raw.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "mixtral")
     return ModelConfig(
         name=raw.get("_name_or_path") or raw.get("model_type") or os.path.basename(spec),
         num_layers=pick("num_hidden_layers", "n_layer", "num_layers"),
