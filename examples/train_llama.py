@@ -6,8 +6,12 @@
     torchrun --nproc-per-node 4 examples/train_llama.py --schedule dualpipe --microbatches 4
     torchrun --nproc-per-node 4 examples/train_llama.py --fp16     # fp16 autocast, dynamic loss scaling
     torchrun --nproc-per-node 4 examples/train_llama.py --fp16 --post-validate   # no wait for norm/inf checks
+    torchrun --nproc-per-node 4 examples/train_llama.py --save-hf runs/hf          # then from_pretrained reads it
+    torchrun --nproc-per-node 4 examples/train_llama.py --init-from runs/hf        # fine-tune a checkpoint
 
-The model is a random tiny LlamaForCausalLM (no download). torchpp.models.parallelize shards
+The model is a random tiny LlamaForCausalLM (no download), or, with --init-from, any causal LM
+folder parallelize takes (built on the meta device, each rank loading only its shards).
+torchpp.models.parallelize shards
 it over tp (Column/RowParallelLinear, vocab-parallel embedding and loss) and cuts its decoder
 layers into pp pipeline stages run by the given schedule; the DistributedOptimizer reduces
 gradients over dp (or shards Adam's state, --zero) and clips by the global norm. The task is
@@ -22,11 +26,11 @@ import time
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import torchpp
 from torchpp import schedule as S
-from torchpp.models import parallelize
+from torchpp.models import load_hf_weights, parallelize, save_hf_checkpoint
 from torchpp.parallel import DistributedOptimizer, GradScaler
 from torchpp.pipeline import export_chrome_trace, plot_timeline
 from torchpp.pipeline.trace import gather_runs, measured_simulation
@@ -55,6 +59,10 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="runs/llama", help="directory for trace.json and timeline.png")
+    parser.add_argument("--init-from", default=None,
+                        help="a transformers checkpoint folder (save_pretrained's) to start from instead of a random "
+                             "tiny Llama")
+    parser.add_argument("--save-hf", default=None, help="write the trained model here as a transformers checkpoint")
     return parser.parse_args()
 
 
@@ -86,13 +94,22 @@ def main():
     rank = dist.get_rank()
     if args.batch % state.dp:
         raise SystemExit(f"--batch {args.batch} is not divisible by the data-parallel size {state.dp}")
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq)
-    torch.manual_seed(args.seed)  # the same initial model on every rank; parallelize keeps our shards
+    if args.init_from:
+        config = AutoConfig.from_pretrained(args.init_from)
+        with torch.device("meta"):  # no rank ever holds the whole model
+            hf_model = AutoModelForCausalLM.from_config(config)
+    else:
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq)
+        torch.manual_seed(args.seed)  # the same initial model on every rank; parallelize keeps our shards
+        hf_model = LlamaForCausalLM(config)
     # One skip decision and one scale on every rank; disabled (a no-op) unless --fp16.
     scaler = GradScaler(state.device.type, enabled=args.fp16)
-    model = parallelize(LlamaForCausalLM(config), schedule=args.schedule, n_microbatches=args.microbatches,
+    model = parallelize(hf_model, schedule=args.schedule, n_microbatches=args.microbatches,
                         recompute=args.recompute, state=state, grad_scaler=scaler)
+    del hf_model
+    if args.init_from:
+        load_hf_weights(model, args.init_from)
     model_parallel_manual_seed(args.seed, tp_rank=state.tp_rank, pp_rank=state.pp_rank)
     optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, zero=args.zero, max_norm=1.0,
                                      accumulations_per_step=args.microbatches, lr=args.lr, grad_scaler=scaler,
@@ -135,6 +152,10 @@ def main():
                        f"tokens/s {tokens_per_s:7.0f}")
     if args.post_validate:
         optimizer.flush()  # settles the last update
+    if args.save_hf:
+        save_hf_checkpoint(model, args.save_hf)
+        if rank == 0:
+            print(f"wrote the transformers checkpoint {args.save_hf}")
 
     if model.schedule is not None:
         os.makedirs(args.out, exist_ok=True)

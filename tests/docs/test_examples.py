@@ -121,6 +121,20 @@ def test_example_trains_and_writes_its_trace(tmp_path, script):
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_llama_demo_saves_a_checkpoint_it_can_start_from(tmp_path):
+    """--save-hf writes what --init-from (a meta-device model, each rank loading its shards)
+    starts from: the fine-tune's first loss is the trained model's, below the random start's."""
+    saved = tmp_path / "hf"
+    first = run([os.path.join(ROOT, "examples", "train_llama.py"), "--steps", "6", "--save-hf", str(saved),
+                 "--out", str(tmp_path / "a")], tmp_path, nproc=4)
+    assert (saved / "config.json").is_file() and (saved / "model.safetensors.index.json").is_file()
+    second = run([os.path.join(ROOT, "examples", "train_llama.py"), "--steps", "1", "--init-from", str(saved),
+                  "--out", str(tmp_path / "b")], tmp_path, nproc=4)
+    before, after = losses(first), losses(second)
+    assert sorted(before) == list(range(1, 7)) and sorted(after) == [1], (first[-2000:], second[-2000:])
+    assert after[1] < before[1] - 0.1, (before, after)  # the same first batch, seen by a trained model
+
+
 @pytest.fixture(scope="module")
 def fp16_demo_output(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16")
