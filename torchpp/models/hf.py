@@ -20,19 +20,19 @@ from torch import nn
 
 from torchpp import ops
 from torchpp import tensor_parallel as tp
+from torchpp.models.hf_checkpoint import materialize_meta
 from torchpp.models.hf_convert import Export
 from torchpp.models.hf_gpt2 import GPT2Family
 from torchpp.models.hf_layers import CausalLMStage
 from torchpp.models.hf_llama import LlamaFamily
-from torchpp.models.hf_checkpoint import materialize_meta
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel, rank_grid
 from torchpp.recompute import check_recompute_mode
 from torchpp.tensor_parallel.embedding import padded_vocab_size
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
 
 FAMILIES = {"llama": LlamaFamily, "mistral": LlamaFamily, "qwen2": LlamaFamily, "qwen3": LlamaFamily,
-            "gemma": LlamaFamily, "gemma2": LlamaFamily,
-            "gemma3_text": LlamaFamily, "phi3": LlamaFamily, "gpt2": GPT2Family}
+            "gemma": LlamaFamily, "gemma2": LlamaFamily, "gemma3_text": LlamaFamily, "phi3": LlamaFamily,
+            "gpt2": GPT2Family}
 IGNORE_INDEX = -100
 
 
@@ -363,9 +363,10 @@ def parallelize(
     ``model`` itself is not modified.
 
     Args:
-        model: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
-            Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM or GPT2LMHeadModel, identical on every rank; or built on the meta
-            device, whose shards ``load_hf_weights`` then fills from a checkpoint.
+        model: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+            GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM or
+            GPT2LMHeadModel, identical on every rank; or built on the meta device, whose shards
+            ``load_hf_weights`` then fills from a checkpoint.
         tp: tensor-parallel size (default: the parallel state's).
         pp: pipeline-parallel size (default: the parallel state's).
         schedule: pipeline schedule name (torchpp.schedule.SCHEDULES) when pp > 1; zero-bubble

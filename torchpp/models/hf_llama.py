@@ -21,8 +21,7 @@ class LlamaFamily:
     Gemma a scaled token embedding (its (1 + weight) norms are the model's own modules, copied),
     Gemma 2 norms after attention and MLP too, tanh-capped attention scores and logits, and a
     sliding window on alternate layers, Gemma 3 (text) Qwen3's q/k norms and a rotary table per
-    attention type, Phi-3 fused qkv and gate_up projections and residual
-    dropout.
+    attention type, Phi-3 fused qkv and gate_up projections and residual dropout.
 
     Args:
         model: the HF causal LM (left untouched; its tensors are copied into shards).
@@ -83,9 +82,9 @@ class LlamaFamily:
                             sequence_parallel=ctx.sequence_parallel, rope_key=rope_key, **self._norms(layer, prefix))
 
     def _norms(self, layer: nn.Module, prefix: str) -> dict:
-        """The block's norms, copied and exported: before attention and MLP, and Gemma 2's after
-        each too (its post_attention_layernorm follows attention; pre_feedforward_layernorm
-        precedes the MLP)."""
+        """The block's norms, copied and exported: before attention and MLP, and with Gemma 2 and 3
+        after each too (there post_attention_layernorm follows attention and
+        pre_feedforward_layernorm precedes the MLP)."""
         names = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm"}
         if hasattr(layer, "pre_feedforward_layernorm"):
             names = {"norm1": "input_layernorm", "post_norm1": "post_attention_layernorm",
