@@ -27,6 +27,8 @@ CASES = (
     # Scaled embeddings, tied on one rank; per-head norms; both ends of DualPipe.
     ("gemma", 1, "1f1b", True, "bin"),
     ("qwen3", 2, "dualpipe", False, "sharded"),
+    # A rotary table per attention type, recomputed from the config for the meta model.
+    ("gemma3", 2, "1f1b", True, "safetensors"),
 )
 
 
