@@ -127,9 +127,13 @@ def check_errors(directory):
         os.makedirs(saved + ".tmp")
         open(os.path.join(saved + ".tmp", "model-00001-of-00009.safetensors"), "w").close()
     dist.barrier()
-    save_hf_checkpoint(wrapped, saved)
+    save_hf_checkpoint(wrapped, saved, dtype=torch.bfloat16)
     assert sorted(os.listdir(saved)) == ["config.json", "model-00001-of-00001.safetensors",
                                          "model.safetensors.index.json"]
+    reloaded = type(model).from_pretrained(saved)  # in the dtype its config names
+    assert reloaded.dtype == torch.bfloat16
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name].to(torch.bfloat16)), name
     return True
 
 

@@ -15,9 +15,10 @@ the checkpoint that ``save_pretrained`` wrote. ``save_hf_checkpoint`` writes one
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
-from typing import Callable, Dict, Mapping, Union
+from typing import Callable, Dict, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -145,7 +146,8 @@ def load_hf_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
 
 
 @torch.no_grad()
-def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike]) -> str:
+def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike],
+                       dtype: Optional[torch.dtype] = None) -> str:
     """Writes the wrapped model as a Hugging Face checkpoint: ``config.json``, one safetensors
     file per pipeline rank (written by its first TP and data-parallel rank) and their
     ``model.safetensors.index.json``, as ``save_pretrained`` lays out a sharded checkpoint. A
@@ -158,6 +160,8 @@ def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike]) -> 
     Args:
         model: the ParallelCausalLM that ``parallelize`` returned.
         directory: where to write.
+        dtype: cast the tensors to it (e.g. torch.bfloat16 from fp32 training), and record it
+            in config.json; default: as they are.
 
     Returns:
         ``directory``.
@@ -167,6 +171,8 @@ def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike]) -> 
     state, final = model.state, os.fspath(directory)
     tmp = on_rank0(lambda: prepare_directory(final))
     tensors = model.hf_state_dict()  # collective over TP
+    if dtype is not None:
+        tensors = {name: t.to(dtype) for name, t in tensors.items()}
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items() if name not in model.tied_names}
     held = [None] * state.pp
     dist.all_gather_object(held, sizes, group=state.pp_group)
@@ -185,7 +191,11 @@ def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike]) -> 
         total = sum(held[k][name] for k in writers for name in owned[k])
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        model.hf_config.save_pretrained(tmp)
+        config = model.hf_config
+        if dtype is not None:
+            config = copy.deepcopy(config)
+            config.dtype = dtype
+        config.save_pretrained(tmp)
         return commit_directory(final)
 
     dist.barrier()  # every shard file is complete before the rename makes them the checkpoint
