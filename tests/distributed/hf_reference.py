@@ -2,7 +2,7 @@
 import torch
 from transformers import (
     Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
 from tp_reference import assert_close
@@ -33,6 +33,12 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                sliding_window=5, attention_dropout=dropout, tie_word_embeddings=bool(tied))
         model = MistralForCausalLM(config)
+    elif kind == "mixtral":  # 4 experts, 2 per token
+        config = MixtralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               num_local_experts=4, num_experts_per_tok=2, attention_dropout=dropout,
+                               tie_word_embeddings=bool(tied))
+        model = MixtralForCausalLM(config)
     elif kind == "qwen2":
         config = Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

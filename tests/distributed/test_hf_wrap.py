@@ -44,7 +44,7 @@ def check_tp_equivalence(kind, sequence_parallel, inputs="plain"):
 
 
 def check_all_tp():
-    for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "gpt2"):
+    for kind in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "gpt2"):
         check_tp_equivalence(kind, sequence_parallel=False)
     check_tp_equivalence("llama", sequence_parallel=True)
     check_tp_equivalence("gpt2", sequence_parallel=True)
@@ -52,6 +52,7 @@ def check_all_tp():
     check_tp_equivalence("gemma", sequence_parallel=True, inputs="padded")
     check_tp_equivalence("gemma2", sequence_parallel=True, inputs="padded")
     check_tp_equivalence("gemma3", sequence_parallel=True, inputs="packed")
+    check_tp_equivalence("mixtral", sequence_parallel=True, inputs="padded")
     check_tp_equivalence("phi3", sequence_parallel=True, inputs="packed")
     # Padding (right and left): the attention_mask hides padded keys, as in transformers.
     check_tp_equivalence("llama", sequence_parallel=True, inputs="padded")
@@ -154,6 +155,8 @@ PIPELINES = (
     ("gemma2", "zb-h1", "selective", True, "padded"),
     # Gemma 3: each stage computes the rotary tables of the layer types it holds.
     ("gemma3", "interleaved-1f1b", "full", False, "padded"),
+    # Mixtral: experts split over TP (not split B/W: their weight gradients come with I).
+    ("mixtral", "zb-h1", "selective", False, "packed"),
     # Phi-3: fused qkv and gate_up projections, their rows regrouped per TP rank, split B/W.
     ("phi3", "zb-h1", None, False, "padded"),
     # Sequence parallelism: each TP rank sends its own sequence slice down the pipeline.

@@ -44,8 +44,8 @@ class _HeadLoss(nn.Module):
 
 
 def _parts(model: nn.Module):
-    """(decoder layers, final norm) of a GPT-2 or Llama-family (Llama, Mistral, Qwen2, Qwen3,
-    Gemma 1 to 3, Phi-3) causal LM."""
+    """(decoder layers, final norm) of a GPT-2 or Llama-family (Llama, Mistral, Mixtral, Qwen2,
+    Qwen3, Gemma 1 to 3, Phi-3) causal LM."""
     if hasattr(model, "transformer"):  # GPT2LMHeadModel
         return list(model.transformer.h), model.transformer.ln_f
     return list(model.model.layers), model.model.norm

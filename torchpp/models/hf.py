@@ -5,8 +5,9 @@
     loss = model.step(input_ids, labels)      # forward + backward over the pipeline
     optimizer.step()
 
-Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, GemmaForCausalLM,
-Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel (see docs/ptdp.md for what is and is not).
+Supported: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel (see
+docs/ptdp.md for what is and is not).
 """
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ from torchpp.recompute import check_recompute_mode
 from torchpp.tensor_parallel.embedding import padded_vocab_size
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
 
-FAMILIES = {"llama": LlamaFamily, "mistral": LlamaFamily, "qwen2": LlamaFamily, "qwen3": LlamaFamily,
-            "gemma": LlamaFamily, "gemma2": LlamaFamily, "gemma3_text": LlamaFamily, "phi3": LlamaFamily,
-            "gpt2": GPT2Family}
+FAMILIES = {"llama": LlamaFamily, "mistral": LlamaFamily, "mixtral": LlamaFamily, "qwen2": LlamaFamily,
+            "qwen3": LlamaFamily, "gemma": LlamaFamily, "gemma2": LlamaFamily, "gemma3_text": LlamaFamily,
+            "phi3": LlamaFamily, "gpt2": GPT2Family}
 IGNORE_INDEX = -100
 
 
@@ -363,8 +364,8 @@ def parallelize(
     ``model`` itself is not modified.
 
     Args:
-        model: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-            GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM or
+        model: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
+            Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM or
             GPT2LMHeadModel, identical on every rank; or built on the meta device, whose shards
             ``load_hf_weights`` then fills from a checkpoint.
         tp: tensor-parallel size (default: the parallel state's).

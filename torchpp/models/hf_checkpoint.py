@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpp.checkpoint.directory import commit_directory, on_rank0, prepare_directory
+from torchpp.models.hf_moe import on_disk_format
 
 Checkpoint = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
 
@@ -123,6 +124,7 @@ def load_hf_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
     """
     reader = _Reader(checkpoint)
     tp_size, tp_rank = model.tp_group.size(), model.tp_group.rank()
+    disk = on_disk_format(model.hf_config)
     filled = set()
     for export in model.exports:
         if id(export.param) in filled:  # a table tied on this rank is exported under both names
@@ -130,7 +132,8 @@ def load_hf_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
         name = export.hf_name
         if name not in reader and name in model.tied_names:
             name = model.tied_names[name]
-        full = reader[name]
+        full = disk.read(name, reader) if disk is not None and name not in reader else None
+        full = reader[name] if full is None else full
         local = export.param.shape
         expected = export.unshard([torch.empty(local, device="meta")] * tp_size).shape  # the layout, shapes only
         if full.shape != expected:
@@ -173,6 +176,9 @@ def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike],
     tensors = model.hf_state_dict()  # collective over TP
     if dtype is not None:
         tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    disk = on_disk_format(model.hf_config)
+    if disk is not None:  # the names (and splits) transformers writes
+        tensors = {key: t for name, tensor in tensors.items() for key, t in disk.write(name, tensor).items()}
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items() if name not in model.tied_names}
     held = [None] * state.pp
     dist.all_gather_object(held, sizes, group=state.pp_group)

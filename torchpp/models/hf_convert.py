@@ -36,7 +36,7 @@ class _Replicated(Layout):
         return full
 
 
-class _Concatenated(Layout):
+class Concatenated(Layout):
     def __init__(self, dim: int):
         self.dim = dim
 
@@ -48,8 +48,8 @@ class _Concatenated(Layout):
 
 
 replicated = _Replicated()
-cat_rows = _Concatenated(0)
-cat_columns = _Concatenated(1)
+cat_rows = Concatenated(0)
+cat_columns = Concatenated(1)
 
 
 class TrimmedRows(Layout):
@@ -96,10 +96,10 @@ def linear_from_conv1d(conv: nn.Module) -> nn.Linear:
     return linear
 
 
-def _regroup(t: torch.Tensor, sizes: Sequence[int], tp_size: int) -> torch.Tensor:
-    # [a; b; ...] -> [a_0 b_0 ...; a_1 b_1 ...; ...]: rank r's row chunk holds its slice of each part.
-    parts = [part.chunk(tp_size) for part in t.split(list(sizes))]
-    return torch.cat([piece for rank in range(tp_size) for piece in (chunks[rank] for chunks in parts)])
+def _regroup(t: torch.Tensor, sizes: Sequence[int], tp_size: int, dim: int = 0) -> torch.Tensor:
+    # [a; b; ...] -> [a_0 b_0 ...; a_1 b_1 ...; ...]: rank r's chunk along dim holds its slice of each part.
+    parts = [part.chunk(tp_size, dim) for part in t.split(list(sizes), dim)]
+    return torch.cat([piece for rank in range(tp_size) for piece in (chunks[rank] for chunks in parts)], dim)
 
 
 def group_fused(linear: nn.Linear, sizes: Sequence[int], tp_size: int) -> nn.Linear:
@@ -116,18 +116,20 @@ def group_fused(linear: nn.Linear, sizes: Sequence[int], tp_size: int) -> nn.Lin
 
 
 class UngroupFused(Layout):
-    """Inverse of ``group_fused`` on the TP shards."""
+    """Inverse of ``group_fused`` on the TP shards: blocks of ``sizes`` along ``dim`` (the rows
+    of a fused projection, or dim 1 of a stack of them, one per expert)."""
 
-    def __init__(self, sizes: Sequence[int], tp_size: int):
-        self.sizes, self.tp_size = list(sizes), tp_size
+    def __init__(self, sizes: Sequence[int], tp_size: int, dim: int = 0):
+        self.sizes, self.tp_size, self.dim = list(sizes), tp_size, dim
 
     def __call__(self, shards):
         local = [size // self.tp_size for size in self.sizes]
-        per_rank = [shard.split(local) for shard in shards]
-        return torch.cat([torch.cat([pieces[block] for pieces in per_rank]) for block in range(len(self.sizes))])
+        per_rank = [shard.split(local, self.dim) for shard in shards]
+        blocks = [torch.cat([pieces[block] for pieces in per_rank], self.dim) for block in range(len(self.sizes))]
+        return torch.cat(blocks, self.dim)
 
     def shard(self, full, rank, size, local_shape):
-        return cat_rows.shard(_regroup(full, self.sizes, size), rank, size, local_shape)
+        return Concatenated(self.dim).shard(_regroup(full, self.sizes, size, self.dim), rank, size, local_shape)
 
 
 def padded_linear(linear: nn.Linear, rows: int) -> nn.Linear:

@@ -1,5 +1,5 @@
-"""Converting transformers' Llama, Mistral, Qwen2, Qwen3, Gemma (1 to 3) and Phi-3 causal LMs
-into TP stage pieces."""
+"""Converting transformers' Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma (1 to 3) and Phi-3
+causal LMs into TP stage pieces."""
 from __future__ import annotations
 
 import copy
@@ -9,6 +9,7 @@ from torch import nn
 
 from torchpp import tensor_parallel as tp
 from torchpp.models import hf_convert as C
+from torchpp.models.hf_moe import sparse_moe
 from torchpp.models.hf_layers import (
     DecoderBlock, FusedGatedMLP, FusedQKV, GatedMLP, ParallelLMHead, ParallelSelfAttention, ParallelTokenEmbedding,
     SeparateQKV,
@@ -21,7 +22,8 @@ class LlamaFamily:
     Gemma a scaled token embedding (its (1 + weight) norms are the model's own modules, copied),
     Gemma 2 norms after attention and MLP too, tanh-capped attention scores and logits, and a
     sliding window on alternate layers, Gemma 3 (text) Qwen3's q/k norms and a rotary table per
-    attention type, Phi-3 fused qkv and gate_up projections and residual dropout.
+    attention type, Phi-3 fused qkv and gate_up projections and residual dropout, Mixtral a
+    sparse mixture of experts (``hf_moe``).
 
     Args:
         model: the HF causal LM (left untouched; its tensors are copied into shards).
@@ -40,6 +42,9 @@ class LlamaFamily:
                 f"torchpp.parallelize: tp={t} must divide num_attention_heads={heads} and "
                 f"num_key_value_heads={kv_heads} (each TP rank holds whole query and key/value heads)"
             )
+        if getattr(config, "router_jitter_noise", 0.0) or getattr(config, "output_router_logits", False):
+            raise NotImplementedError("torchpp.parallelize: router_jitter_noise and output_router_logits (the "
+                                      "load-balancing loss) are not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise NotImplementedError("torchpp.parallelize: use_bidirectional_attention=True is not supported "
                                       "(attention is causal)")
@@ -109,8 +114,11 @@ class LlamaFamily:
         return SeparateQKV(q, k, v)
 
     def _mlp(self, mlp: nn.Module, prefix: str) -> nn.Module:
-        """The gated MLP: separate gate and up projections, or Phi-3's fused gate_up_proj."""
+        """The gated MLP: separate gate and up projections, Phi-3's fused gate_up_proj, or
+        Mixtral's sparse mixture of such experts."""
         ctx = self.ctx
+        if hasattr(mlp, "experts"):
+            return sparse_moe(ctx, mlp, self.config.intermediate_size, f"{prefix}.mlp")
         down = C.row(mlp.down_proj, **ctx.linear_kwargs)
         C.export_linear(ctx.exports, down, f"{prefix}.mlp.down_proj", C.cat_columns, C.replicated)
         if hasattr(mlp, "gate_up_proj"):
