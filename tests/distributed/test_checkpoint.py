@@ -280,6 +280,7 @@ def check_interrupted_save(root):
     assert any(f.startswith("__0_") for f in os.listdir(os.path.join(root, "step_2.tmp")))
     assert not os.path.exists(os.path.join(root, "step_2"))
     assert latest_checkpoint(root) == os.path.join(root, "step_1")
+    dist.barrier()  # the next save's rank 0 clears step_2.tmp: every rank has looked at it first
 
     # 2. Everything written, then the run dies before the commit.
     commit = directory.commit
