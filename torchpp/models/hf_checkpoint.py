@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Callable, Dict, Mapping, Optional, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -54,13 +54,13 @@ class _Reader:
 
     def __init__(self, source: Checkpoint):
         self.source = source if isinstance(source, Mapping) else os.fspath(source)
-        self._open: Dict[str, Callable[[str], torch.Tensor]] = {}
+        self._open: Dict[str, Tuple[List[str], Callable[[str], torch.Tensor]]] = {}
         if isinstance(source, Mapping):
             self.files = None
             return
         path = self.source
         if os.path.isfile(path):
-            self.files = {name: path for name in self._names_in(path)}
+            self.files = {name: path for name in self._opened(path)[0]}
             return
         for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             if os.path.isfile(os.path.join(path, index)):
@@ -71,29 +71,23 @@ class _Reader:
         for single in ("model.safetensors", "pytorch_model.bin"):
             file = os.path.join(path, single)
             if os.path.isfile(file):
-                self.files = {name: file for name in self._names_in(file)}
+                self.files = {name: file for name in self._opened(file)[0]}
                 return
         raise FileNotFoundError(f"torchpp.load_hf_weights: no checkpoint in {path!r} (expected model.safetensors, "
                                 f"pytorch_model.bin or their .index.json)")
 
-    def _reader(self, file: str) -> Callable[[str], torch.Tensor]:
+    def _opened(self, file: str) -> Tuple[List[str], Callable[[str], torch.Tensor]]:
+        """(tensor names, reader) of one file, opened once."""
         if file not in self._open:
             if file.endswith(".safetensors"):
                 from safetensors import safe_open
 
                 handle = safe_open(file, framework="pt", device="cpu")
-                self._open[file] = handle.get_tensor
+                self._open[file] = (list(handle.keys()), handle.get_tensor)
             else:
-                self._open[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True).__getitem__
+                tensors = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                self._open[file] = (list(tensors), tensors.__getitem__)
         return self._open[file]
-
-    def _names_in(self, file: str):
-        if file.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                return list(handle.keys())
-        return list(torch.load(file, map_location="cpu", mmap=True, weights_only=True))
 
     def __contains__(self, name: str) -> bool:
         return name in (self.source if self.files is None else self.files)
@@ -101,7 +95,7 @@ class _Reader:
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self:
             raise KeyError(f"torchpp.load_hf_weights: {name!r} is not in the checkpoint {self._where()}")
-        return self.source[name] if self.files is None else self._reader(self.files[name])(name)
+        return self.source[name] if self.files is None else self._opened(self.files[name])[1](name)
 
     def _where(self) -> str:
         return "state dict" if self.files is None else repr(self.source)

@@ -6,6 +6,7 @@ compared with, saved as, or loaded from the original's checkpoint (``hf_checkpoi
 """
 from __future__ import annotations
 
+import abc
 import copy
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -17,15 +18,16 @@ from torchpp import tensor_parallel as tp
 from torchpp.models.hf_layers import ParallelLMHead
 from torchpp.tensor_parallel.embedding import pad_rows
 
-class Layout:
+
+class Layout(abc.ABC):
     """How one parameter's TP shards (in TP-rank order) relate to the HF tensor: calling it
     reassembles the HF tensor, ``shard`` cuts TP rank ``rank``'s shard out of it (loading)."""
 
-    def __call__(self, shards: List[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __call__(self, shards: List[torch.Tensor]) -> torch.Tensor: ...
 
-    def shard(self, full: torch.Tensor, rank: int, size: int, local_shape: torch.Size) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def shard(self, full: torch.Tensor, rank: int, size: int, local_shape: torch.Size) -> torch.Tensor: ...
 
 
 class _Replicated(Layout):
@@ -59,7 +61,7 @@ class TrimmedRows(Layout):
         self.rows = rows
 
     def __call__(self, shards):
-        return torch.cat(shards, dim=0)[: self.rows]
+        return cat_rows(shards)[: self.rows]
 
     def shard(self, full, rank, size, local_shape):
         return cat_rows.shard(pad_rows(full, local_shape[0] * size), rank, size, local_shape)

@@ -31,6 +31,11 @@ def tp_dropout(x: torch.Tensor, p: float, training: bool, split_over_tp: bool) -
         return F.dropout(x, p, training)
 
 
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    """True where a query (row) may see a key (column): itself and earlier positions."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+
+
 def sliding_window_mask(seq_len: int, window: int, device) -> torch.Tensor:
     """Causal mask that also hides keys ``window`` or more positions back (Mistral)."""
     positions = torch.arange(seq_len, device=device)
@@ -63,7 +68,7 @@ def attention_core(q, k, v, *, scaling: float, dropout: float, training: bool,
     if sliding_window is not None and sliding_window < seq_len:
         mask = sliding_window_mask(seq_len, sliding_window, q.device)
     if keep is not None or segments is not None:
-        causal = mask if mask is not None else torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        causal = mask if mask is not None else causal_mask(seq_len, q.device)
         mask = causal[None, None]
         if keep is not None:
             mask = mask & keep[:, None, None, :]
@@ -89,7 +94,7 @@ def _softcapped_attention(q, k, v, mask: Optional[torch.Tensor], scaling: float,
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scaling / softcap) * softcap
     if mask is None:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        mask = causal_mask(q.shape[2], q.device)
     bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
     scores = scores + bias.masked_fill_(~mask, torch.finfo(scores.dtype).min)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
