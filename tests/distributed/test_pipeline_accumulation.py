@@ -1,7 +1,8 @@
 """Gradient accumulation over several ``step()`` calls: the schedule weights each microbatch's
 loss seed by its share of the step's batch and never rescales ``.grad`` after a backward, so
 gradients left from an earlier step are untouched and k steps without zero_grad accumulate
-the sum of the k batch-mean gradients (fp64, against one process). (torch.distributed.pipelining's
+the sum of the k batch-mean gradients (fp64, against one process); under DualPipe, whose step
+sums gradients with the twin rank's, an earlier step's sum counts once. (torch.distributed.pipelining's
 ``scale_grads`` divides the accumulated ``.grad`` after each step instead; torchtitan#1732.)"""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pipeline_checks import TOLERANCES, build_pipeline, config_results, record_m
 from pipeline_models import lm_loss, make_batches
 
 M = 4
-SCHEDULES = ["1f1b", "zb-h1", "interleaved-1f1b"]
+SCHEDULES = ["1f1b", "zb-h1", "interleaved-1f1b", "dualpipe"]  # dualpipe: gradients summed with the twin rank
 BATCHES = [(8, 6), (16, 4), (12, 6)]  # (rows, sequence length) of each accumulated step
 
 

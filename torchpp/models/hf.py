@@ -225,11 +225,13 @@ class ParallelCausalLM(nn.Module):
         if self.schedule is None:
             loss = self.loss(self(input_ids, attention_mask, position_ids), labels)
             scaler = self.grad_scaler
+            self._share_summed_grads()
             (scaler.scale(loss) if scaler is not None and scaler.is_enabled() else loss).backward()
             if losses is not None:
                 losses.append(loss.detach())
             result = loss.detach()
         else:
+            self._share_summed_grads()  # a failed pipeline step breaks its groups: no undo needed
             result = self._pipeline_loss(self.schedule.step, input_ids, labels, losses, attention_mask, position_ids)
         self.finish_grads()
         return result
@@ -287,9 +289,18 @@ class ParallelCausalLM(nn.Module):
             return None
         return self.stages[0].embedding.tokens.weight if self.has_first_stage else self.stages[-1].head.output.weight
 
+    def _share_summed_grads(self) -> None:
+        # Gradients left by an earlier step were summed by its finish_grads: count them once.
+        if self.tp_group.size() > 1:
+            tp.share_summed_grads(tp.sequence_parallel_params(self), self.tp_group.size())
+        tied = self.tied_weight
+        if tied is not None:
+            tp.share_summed_grads([tied], self.embedding_group.size())
+
     def finish_grads(self) -> None:
         """Sums sequence-parallel partial gradients over TP and tied-embedding gradients over the
-        first and last stage (called by ``step``; call it yourself after a custom backward)."""
+        first and last stage (called by ``step``, which accumulates over several calls; after a
+        custom backward call it yourself, once per optimizer step)."""
         if self.tp_group.size() > 1:
             tp.allreduce_sequence_parallel_grads(self, self.tp_group)
         tied = self.tied_weight

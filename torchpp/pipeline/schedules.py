@@ -18,6 +18,7 @@ from torchpp.pipeline.errors import PipelineError
 from torchpp.pipeline.microbatch import (chunk_dim_of, loss_weights, merge_chunks, split_args_kwargs_into_chunks,
                                          split_microbatches)
 from torchpp.pipeline.stage import PipelineStage
+from torchpp.tensor_parallel.utils import share_summed_grads
 
 # Tag of the gradient exchange between DualPipe's twin stages, far above the executor's tags.
 _TWIN_GRAD_TAG = 1 << 30
@@ -211,8 +212,11 @@ class PipelineSchedule:
         if not torch.is_grad_enabled():
             raise RuntimeError("torchpp pipeline: step() runs a backward and cannot run under torch.no_grad(); "
                                "call eval() for a forward-only pass")
+        twins = self.schedule.num_pipelines == 2
+        if twins:  # what earlier steps summed with the twin must be counted once
+            share_summed_grads(self._twin_params, 2)
         output = self._run("train", self._executor, args, kwargs, target, losses, return_outputs, loss_kwargs)
-        if self.schedule.num_pipelines == 2:
+        if twins:
             self._sum_twin_gradients()
         return output
 

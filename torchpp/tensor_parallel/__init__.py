@@ -7,7 +7,13 @@ from torchpp.tensor_parallel.random import (
     get_rng_tracker,
     model_parallel_manual_seed,
 )
-from torchpp.tensor_parallel.utils import allreduce_sequence_parallel_grads, divide, mark_sequence_parallel
+from torchpp.tensor_parallel.utils import (
+    allreduce_sequence_parallel_grads,
+    divide,
+    mark_sequence_parallel,
+    sequence_parallel_params,
+    share_summed_grads,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -19,5 +25,7 @@ __all__ = [
     "model_parallel_manual_seed",
     "allreduce_sequence_parallel_grads",
     "mark_sequence_parallel",
+    "sequence_parallel_params",
+    "share_summed_grads",
     "divide",
 ]

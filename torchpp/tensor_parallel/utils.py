@@ -38,6 +38,26 @@ def mark_sequence_parallel(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def share_summed_grads(params, group_size: int) -> None:
+    """Prepares gradients that an earlier step summed over a group of ``group_size`` ranks for
+    another backward that accumulates onto them (gradient accumulation over several steps).
+
+    After that sum every rank of the group holds the same total S; dividing each copy by the
+    group size first makes the next sum give S plus every rank's new share, instead of
+    ``group_size`` times S. Call before the backward, on every rank of the group.
+    """
+    if group_size <= 1:
+        return
+    for param in params:
+        if param.grad is not None:
+            param.grad.div_(group_size)
+
+
+def sequence_parallel_params(module: torch.nn.Module):
+    """The parameters of ``module`` flagged ``sequence_parallel`` (see mark_sequence_parallel)."""
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+
+
 def allreduce_sequence_parallel_grads(module: torch.nn.Module, group=None) -> None:
     """Sums, over the TP group, the gradients of parameters flagged sequence_parallel.
 
@@ -47,7 +67,7 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, group=None) -> No
 
     from torchpp.ops import group_of
 
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in sequence_parallel_params(module) if p.grad is not None]
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
