@@ -10,7 +10,7 @@ from tp_reference import assert_close
 SEQ, BATCH = 8, 4
 
 
-def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=None):
+def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=None, kv_heads: int = 2):
     """The same random model on every rank (fixed seed). Vocabularies of Mistral and GPT-2 are
     odd, so tp=2 exercises vocabulary padding; Mistral's window is shorter than SEQ, and so is
     Qwen2's, which only its upper half of the layers use (the rest attend to everything). Qwen3's
@@ -20,34 +20,34 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
     and logits, low enough (and q/k weights large enough) that the caps bite. Gemma 3 rotates its
     alternating window and full layers by tables of far-apart bases, and has q/k norms. Phi-3 fuses
     q, k and v (GQA: k and v narrower than q) and gate and up into one projection each, and its
-    rotary covers half of each head."""
+    rotary covers half of each head. ``kv_heads``: key/value heads of the 4 query heads (not GPT-2)."""
     torch.manual_seed(1234)
     if kind == "llama":
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                              attention_bias=True, attention_dropout=dropout,
                              tie_word_embeddings=bool(tied))
         model = LlamaForCausalLM(config)
     elif kind == "mistral":
         config = MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                                sliding_window=5, attention_dropout=dropout, tie_word_embeddings=bool(tied))
         model = MistralForCausalLM(config)
     elif kind == "mixtral":  # 4 experts, 2 per token
         config = MixtralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                                num_local_experts=4, num_experts_per_tok=2, attention_dropout=dropout,
                                tie_word_embeddings=bool(tied))
         model = MixtralForCausalLM(config)
     elif kind == "qwen2":
         config = Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                              use_sliding_window=True, sliding_window=5, max_window_layers=num_layers // 2,
                              attention_dropout=dropout, tie_word_embeddings=bool(tied))
         model = Qwen2ForCausalLM(config)
     elif kind == "qwen3":
         config = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                             num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=64,
                              attention_dropout=dropout, tie_word_embeddings=bool(tied))
         model = Qwen3ForCausalLM(config)
         with torch.no_grad():
@@ -56,12 +56,12 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     elif kind == "gemma":
         config = GemmaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                             num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=64,
                              attention_dropout=dropout, tie_word_embeddings=True if tied is None else tied)
         model = GemmaForCausalLM(config)
     elif kind == "gemma2":
         config = Gemma2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                              num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=64,
                               sliding_window=5, query_pre_attn_scalar=8, attn_logit_softcapping=1.0,
                               final_logit_softcapping=1.0, attention_dropout=dropout,
                               tie_word_embeddings=True if tied is None else tied)
@@ -73,7 +73,7 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
     elif kind == "gemma3":
         config = Gemma3TextConfig(
             vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=8,
+            num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=8,
             layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
@@ -85,7 +85,7 @@ def tiny_model(kind: str, *, dropout: float = 0.0, num_layers: int = 4, tied=Non
                 layer.self_attn.k_norm.weight.uniform_(-0.5, 0.5)
     elif kind == "phi3":
         config = Phi3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                             partial_rotary_factor=0.5, sliding_window=None, pad_token_id=3, bos_token_id=1,
                             eos_token_id=2, attention_dropout=dropout, resid_pdrop=dropout,
                             tie_word_embeddings=bool(tied))

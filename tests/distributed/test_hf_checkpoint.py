@@ -16,7 +16,8 @@ from hf_reference import check_wrapped_step, inputs_of, reference_step, tiny_mod
 
 TIMEOUT_S = 150
 
-# (family, pp, schedule, tied, checkpoint form); tp=2 throughout, 4 ranks (dp = 2 when pp = 1).
+# (family, pp, schedule, tied, checkpoint form[, key/value heads]); tp=2 throughout, 4 ranks
+# (dp = 2 when pp = 1).
 CASES = (
     ("llama", 1, "1f1b", False, "safetensors"),
     # Conv1D weights stored transposed; the tied head is not in the checkpoint, and its rank
@@ -31,6 +32,8 @@ CASES = (
     ("gemma3", 2, "1f1b", True, "safetensors"),
     # Experts stored as 3-D tensors: [gate; up] regrouped along dim 1, down cut along dim 2.
     ("mixtral", 2, "zb-h1", False, "sharded"),
+    # One key/value head: each TP rank loads a copy of it, and one copy is saved.
+    ("qwen2", 2, "zb-h1", False, "safetensors", 1),
 )
 
 
@@ -49,9 +52,9 @@ def _save(model, form, directory):
 
 
 def check_load(case, directory):
-    kind, pp, schedule, tied, form = case
+    kind, pp, schedule, tied, form, kv_heads = (*case, 2)[:6]
     state = torchpp.init_parallel(tp=2, pp=pp)
-    model = tiny_model(kind, tied=tied)
+    model = tiny_model(kind, tied=tied, kv_heads=kv_heads)
     checkpoint = _save(model, form, directory)
     with torch.device("meta"):
         meta = type(model)(model.config)
@@ -61,7 +64,7 @@ def check_load(case, directory):
         wrapped.step(ids, labels)
     load_hf_weights(wrapped, checkpoint)
 
-    what = f"{kind} pp={pp} {schedule} {form}"
+    what = f"{kind} pp={pp} {schedule} {form} kv_heads={kv_heads}"
     expected = parallelize(model, schedule=schedule, n_microbatches=4, state=state)
     got_params, want_params = dict(wrapped.named_parameters()), dict(expected.named_parameters())
     assert got_params.keys() == want_params.keys(), what

@@ -17,15 +17,15 @@ from tp_reference import assert_close
 TIMEOUT_S = 150
 
 
-def check_tp_equivalence(kind, sequence_parallel, inputs="plain"):
-    state = torchpp.init_parallel(tp=2, pp=1)
-    model = tiny_model(kind)
+def check_tp_equivalence(kind, sequence_parallel, inputs="plain", tp=2, kv_heads=2):
+    state = torchpp.init_parallel(tp=tp, pp=1)
+    model = tiny_model(kind, kv_heads=kv_heads)
     reference = copy.deepcopy(model)
     ids, labels, mask, positions = inputs_of(inputs, model.config.vocab_size)
     ref_logits, ref_loss, ref_grads = reference_step(reference, ids, labels, mask, positions)
 
     wrapped = parallelize(model, sequence_parallel=sequence_parallel, state=state)
-    what = f"{kind} tp=2 sp={sequence_parallel} inputs={inputs}"
+    what = f"{kind} tp={tp} kv_heads={kv_heads} sp={sequence_parallel} inputs={inputs}"
     extras = dict(attention_mask=mask, position_ids=positions)
     logits = wrapped(ids, **extras)
     assert_close(wrapped.gather_logits(logits), ref_logits, f"{what} logits")
@@ -72,14 +72,20 @@ def check_errors():
     state = torchpp.init_parallel(tp=2, pp=1)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    odd = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=1))
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=6, num_key_value_heads=3))
     try:
         parallelize(odd, state=state)
     except ValueError as error:
-        assert "num_key_value_heads=1" in str(error) and "tp=2" in str(error), error
+        assert "num_key_value_heads=3" in str(error) and "tp=2" in str(error), error
     else:
-        raise AssertionError("tp=2 with one key/value head must raise")
+        raise AssertionError("tp=2 with three key/value heads must raise")
+    try:
+        parallelize(tiny_model("phi3", kv_heads=1), state=state)
+    except ValueError as error:
+        assert "fused qkv_proj" in str(error) and "num_key_value_heads=1" in str(error), error
+    else:
+        raise AssertionError("Phi-3's fused qkv with fewer key/value heads than tp must raise")
     try:
         parallelize(tiny_model("llama"), recompute="sometimes", state=state)
     except ValueError as error:
@@ -120,9 +126,10 @@ def check_vocab_padding():
     return True
 
 
-def check_pipeline_equivalence(kind, schedule, recompute, tied, inputs="plain", sequence_parallel=False):
+def check_pipeline_equivalence(kind, schedule, recompute, tied, inputs="plain", sequence_parallel=False,
+                               kv_heads=2):
     state = torchpp.init_parallel(tp=2, pp=2)
-    model = tiny_model(kind, tied=tied)
+    model = tiny_model(kind, tied=tied, kv_heads=kv_heads)
     reference = copy.deepcopy(model)
     ids, labels, mask, positions = inputs_of(inputs, model.config.vocab_size)
     _, ref_loss, ref_grads = reference_step(reference, ids, labels, mask, positions)
@@ -130,7 +137,7 @@ def check_pipeline_equivalence(kind, schedule, recompute, tied, inputs="plain", 
     wrapped = parallelize(model, schedule=schedule, n_microbatches=4, recompute=recompute,
                           sequence_parallel=sequence_parallel, state=state)
     what = (f"{kind} pp=2 tp=2 {schedule} recompute={recompute} tied={tied} inputs={inputs} sp={sequence_parallel} "
-            f"rank={dist.get_rank()}")
+            f"kv_heads={kv_heads} rank={dist.get_rank()}")
     return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what, attention_mask=mask,
                               position_ids=positions)
 
@@ -226,6 +233,30 @@ def check_all_pipelines():
     for case in PIPELINES:
         names.append(check_pipeline_equivalence(*case))
     return names
+
+
+def check_kv_copies_tp2():
+    """One key/value head (MQA) at tp=2: each rank holds a copy of it. Llama (k/v biases),
+    Qwen3 (a norm over each key head), Gemma, with and without SP."""
+    for kind, sequence_parallel, inputs in (("llama", False, "plain"), ("llama", True, "padded"),
+                                            ("qwen3", True, "packed"), ("gemma", False, "padded")):
+        check_tp_equivalence(kind, sequence_parallel, inputs, kv_heads=1)
+    return True
+
+
+def check_kv_copies_4_ranks():
+    """Two key/value heads at tp=4 (each on two ranks); one at pp=2 x tp=2 under zb-h1 (split B/W:
+    the copies' weight gradients come in W passes, summed after the step)."""
+    check_tp_equivalence("mistral", True, "padded", tp=4, kv_heads=2)
+    check_tp_equivalence("qwen2", False, "packed", tp=4, kv_heads=2)
+    check_pipeline_equivalence("llama", "zb-h1", "selective", False, "padded", True, kv_heads=1)
+    check_pipeline_equivalence("qwen3", "interleaved-1f1b", None, False, "plain", kv_heads=1)
+    return True
+
+
+def test_kv_heads_copied_when_tp_exceeds_them(ranks):
+    assert ranks(2).run(check_kv_copies_tp2, timeout=TIMEOUT_S) == [True, True]
+    assert ranks(4).run(check_kv_copies_4_ranks, timeout=TIMEOUT_S) == [True] * 4
 
 
 def test_tp2_matches_unwrapped_hf_models(ranks):

@@ -293,16 +293,21 @@ class ParallelCausalLM(nn.Module):
         # Gradients left by an earlier step were summed by its finish_grads: count them once.
         if self.tp_group.size() > 1:
             tp.share_summed_grads(tp.sequence_parallel_params(self), self.tp_group.size())
+            copies = tp.tp_replica_params(self)
+            if copies:
+                tp.share_summed_grads(copies, copies[0].tp_replicas)
         tied = self.tied_weight
         if tied is not None:
             tp.share_summed_grads([tied], self.embedding_group.size())
 
     def finish_grads(self) -> None:
-        """Sums sequence-parallel partial gradients over TP and tied-embedding gradients over the
+        """Sums sequence-parallel partial gradients over TP, those of key/value heads copied onto
+        several TP ranks over each head's copies, and tied-embedding gradients over the
         first and last stage (called by ``step``, which accumulates over several calls; after a
         custom backward call it yourself, once per optimizer step)."""
         if self.tp_group.size() > 1:
             tp.allreduce_sequence_parallel_grads(self, self.tp_group)
+            tp.allreduce_tp_replica_grads(self, self.tp_group)
         tied = self.tied_weight
         if tied is not None:
             if tied.grad is None:

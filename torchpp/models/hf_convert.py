@@ -54,6 +54,20 @@ cat_rows = Concatenated(0)
 cat_columns = Concatenated(1)
 
 
+class HeadCopies(Layout):
+    """Row shards of a projection whose heads are each copied onto ``replicas`` consecutive TP
+    ranks (key/value heads when tp exceeds them): one copy of each head makes the HF tensor."""
+
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+
+    def __call__(self, shards):
+        return cat_rows(shards[:: self.replicas])
+
+    def shard(self, full, rank, size, local_shape):
+        return cat_rows.shard(full, rank // self.replicas, size // self.replicas, local_shape)
+
+
 class TrimmedRows(Layout):
     """Concatenated vocabulary shards without the padding rows (zero rows when loading)."""
 
@@ -132,6 +146,20 @@ class UngroupFused(Layout):
 
     def shard(self, full, rank, size, local_shape):
         return Concatenated(self.dim).shard(_regroup(full, self.sizes, size, self.dim), rank, size, local_shape)
+
+
+def copy_heads(linear: nn.Linear, head_dim: int, replicas: int) -> nn.Linear:
+    """``linear`` with each head's rows repeated ``replicas`` times in place ([h0; h0; h1; h1]
+    for 2), so a row split over heads * replicas TP ranks gives rank r a copy of head r // replicas."""
+    def repeated(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().unflatten(0, (-1, head_dim)).repeat_interleave(replicas, 0).flatten(0, 1)
+
+    copied = nn.Linear(linear.in_features, linear.out_features * replicas, bias=linear.bias is not None,
+                       device="meta")
+    copied.weight = nn.Parameter(repeated(linear.weight))
+    if linear.bias is not None:
+        copied.bias = nn.Parameter(repeated(linear.bias))
+    return copied
 
 
 def padded_linear(linear: nn.Linear, rows: int) -> nn.Linear:

@@ -37,11 +37,14 @@ class LlamaFamily:
         self.vocab_size = config.vocab_size
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         heads, kv_heads, t = config.num_attention_heads, config.num_key_value_heads, ctx.tp_size
-        if heads % t or kv_heads % t:
+        if heads % t or (kv_heads % t and t % kv_heads):
             raise ValueError(
-                f"torchpp.parallelize: tp={t} must divide num_attention_heads={heads} and "
-                f"num_key_value_heads={kv_heads} (each TP rank holds whole query and key/value heads)"
+                f"torchpp.parallelize: tp={t} must divide num_attention_heads={heads} and either divide "
+                f"num_key_value_heads={kv_heads} or be a multiple of it (each TP rank holds whole query heads "
+                f"and whole key/value heads, copies of them when tp exceeds their number)"
             )
+        # tp > kv heads: each key/value head is copied onto kv_replicas consecutive TP ranks.
+        self.kv_replicas = max(t // kv_heads, 1)
         if getattr(config, "router_jitter_noise", 0.0) or getattr(config, "output_router_logits", False):
             raise NotImplementedError("torchpp.parallelize: router_jitter_noise and output_router_logits (the "
                                       "load-balancing loss) are not supported")
@@ -74,7 +77,8 @@ class LlamaFamily:
         t, config = ctx.tp_size, self.config
         attention = ParallelSelfAttention(
             qkv, o,
-            num_heads=config.num_attention_heads // t, num_kv_heads=config.num_key_value_heads // t,
+            num_heads=config.num_attention_heads // t,
+            num_kv_heads=config.num_key_value_heads * self.kv_replicas // t,
             head_dim=attn.head_dim, scaling=attn.scaling, dropout=config.attention_dropout,
             apply_rope=self._apply_rope, sliding_window=self._sliding_window(attn),
             recompute_core=ctx.recompute == "selective", softcap=getattr(config, "attn_logit_softcapping", None),
@@ -104,14 +108,33 @@ class LlamaFamily:
         """Column-parallel q, k and v: separate, or Phi-3's fused qkv_proj with its rows grouped by rank."""
         ctx, t = self.ctx, self.ctx.tp_size
         if hasattr(attn, "qkv_proj"):
+            if self.kv_replicas > 1:
+                raise ValueError(f"torchpp.parallelize: a fused qkv_proj needs tp={t} to divide "
+                                 f"num_key_value_heads={self.config.num_key_value_heads}")
             kv_rows = self.config.num_key_value_heads * attn.head_dim
             blocks = [self.config.num_attention_heads * attn.head_dim, kv_rows, kv_rows]
             qkv = C.fused_column(ctx, attn.qkv_proj, blocks, f"{prefix}.self_attn.qkv_proj")
             return FusedQKV(qkv, [rows // t for rows in blocks])
-        q, k, v = (C.column(getattr(attn, n), **ctx.linear_kwargs) for n in ("q_proj", "k_proj", "v_proj"))
-        for name, proj in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            C.export_linear(ctx.exports, proj, f"{prefix}.self_attn.{name}", C.cat_rows, C.cat_rows)
+        q = C.column(attn.q_proj, **ctx.linear_kwargs)
+        C.export_linear(ctx.exports, q, f"{prefix}.self_attn.q_proj", C.cat_rows, C.cat_rows)
+        k, v = (self._kv_projection(getattr(attn, name), attn.head_dim, f"{prefix}.self_attn.{name}")
+                for name in ("k_proj", "v_proj"))
         return SeparateQKV(q, k, v)
+
+    def _kv_projection(self, linear: nn.Linear, head_dim: int, hf_name: str) -> nn.Module:
+        """A column-parallel k or v projection; with more TP ranks than heads, each rank's copy
+        of the head its query heads share."""
+        ctx, replicas = self.ctx, self.kv_replicas
+        if replicas == 1:
+            layer = C.column(linear, **ctx.linear_kwargs)
+            C.export_linear(ctx.exports, layer, hf_name, C.cat_rows, C.cat_rows)
+            return layer
+        layer = C.column(C.copy_heads(linear, head_dim, replicas), **ctx.linear_kwargs)
+        for param in layer.parameters():
+            tp.mark_tp_replicas(param, replicas, layer.tp_rank)
+        copies = C.HeadCopies(replicas)
+        C.export_linear(ctx.exports, layer, hf_name, copies, copies)
+        return layer
 
     def _mlp(self, mlp: nn.Module, prefix: str) -> nn.Module:
         """The gated MLP: separate gate and up projections, Phi-3's fused gate_up_proj, or

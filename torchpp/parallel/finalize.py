@@ -7,7 +7,7 @@ from torch import nn
 
 from torchpp.parallel.data_parallel import GradReducer, OverlapStats
 from torchpp.parallel.groups import ParallelState
-from torchpp.tensor_parallel.utils import allreduce_sequence_parallel_grads
+from torchpp.tensor_parallel.utils import allreduce_sequence_parallel_grads, allreduce_tp_replica_grads
 
 
 def finalize_grads(
@@ -16,7 +16,8 @@ def finalize_grads(
     """Completes this rank's gradients for the step (Megatron's finalize_model_grads).
 
     Sums, over the TP group, the partial gradients of parameters replicated across TP ranks
-    that saw different sequence slices (sequence parallelism), then finishes the
+    that saw different sequence slices (sequence parallelism) and over each group of TP ranks
+    holding copies of one key/value head (``mark_tp_replicas``), then finishes the
     data-parallel reduction (buckets not yet launched are launched; all are awaited).
     With ZeRO-1, pass no reducer: the optimizer's step reduce-scatters instead.
 
@@ -31,4 +32,5 @@ def finalize_grads(
     if state.tp > 1:
         for module in modules:
             allreduce_sequence_parallel_grads(module, state.tp_group)
+            allreduce_tp_replica_grads(module, state.tp_group)
     return reducer.finish() if reducer is not None else None

@@ -9,10 +9,13 @@ from torchpp.tensor_parallel.random import (
 )
 from torchpp.tensor_parallel.utils import (
     allreduce_sequence_parallel_grads,
+    allreduce_tp_replica_grads,
     divide,
     mark_sequence_parallel,
+    mark_tp_replicas,
     sequence_parallel_params,
     share_summed_grads,
+    tp_replica_params,
 )
 
 __all__ = [
@@ -25,6 +28,9 @@ __all__ = [
     "model_parallel_manual_seed",
     "allreduce_sequence_parallel_grads",
     "mark_sequence_parallel",
+    "mark_tp_replicas",
+    "allreduce_tp_replica_grads",
+    "tp_replica_params",
     "sequence_parallel_params",
     "share_summed_grads",
     "divide",

@@ -38,6 +38,53 @@ def mark_sequence_parallel(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def mark_tp_replicas(param: torch.nn.Parameter, replicas: int, tp_rank: int) -> None:
+    """Flags a TP-sharded parameter whose shard is the same on each group of ``replicas``
+    consecutive TP ranks: key/value heads when tp exceeds their number, each rank holding a copy
+    of the head its query heads share. A copy's gradient is its rank's share until
+    ``allreduce_tp_replica_grads`` sums the group's; the gradient norm counts the group's first
+    copy only, and data parallelism waits for the sum."""
+    param.tp_replicas = replicas
+    param.grad_summed_after_backward = True
+    if tp_rank % replicas:
+        param.shared_duplicate = True
+
+
+def tp_replica_params(module: torch.nn.Module):
+    """The parameters of ``module`` flagged by mark_tp_replicas."""
+    return [p for p in module.parameters() if getattr(p, "tp_replicas", 1) > 1]
+
+
+def allreduce_tp_replica_grads(module: torch.nn.Module, group=None) -> None:
+    """Sums the gradients of parameters flagged by ``mark_tp_replicas`` over their replica
+    groups (every copy gets the same sum, added in the same order). Call once per optimizer
+    step, after the last backward, on every rank of the TP group."""
+    import torch.distributed as dist
+
+    from torchpp.ops import group_of
+
+    params = tp_replica_params(module)
+    if not params:
+        return
+    replicas = params[0].tp_replicas
+    if any(p.tp_replicas != replicas for p in params):
+        raise ValueError(f"torchpp: parameters copied onto different numbers of TP ranks "
+                         f"{sorted({p.tp_replicas for p in params})} in one module")
+    group = group_of(group)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    gathered = flat.new_empty(group.size() * flat.numel())
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    gathered = gathered.view(group.size(), -1)
+    first = dist.get_rank(group) // replicas * replicas
+    summed = gathered[first : first + replicas].sum(0)
+    for param, grad in zip(params, torch._utils._unflatten_dense_tensors(summed, grads)):
+        if param.grad is None:
+            param.grad = grad.clone()
+        else:  # in place: .grad may be a view of a data-parallel bucket
+            param.grad.copy_(grad)
+
+
 def share_summed_grads(params, group_size: int) -> None:
     """Prepares gradients that an earlier step summed over a group of ``group_size`` ranks for
     another backward that accumulates onto them (gradient accumulation over several steps).
