@@ -1,7 +1,8 @@
 """torchpp.models.parallelize on transformers' Llama, Mistral, Qwen2, Qwen3, Gemma 1 to 3, Phi-3
 and GPT-2 equals the unwrapped model:
 logits, loss and every gradient, under tp=2 (with and without sequence parallelism) and
-pp=2 x tp=2 over the pipeline runtime."""
+pp=2 x tp=2 over the pipeline runtime; with fewer key/value heads than tp ranks (copies of each
+head) at tp=2, tp=4 and pp=2 x tp=2."""
 import copy
 
 import torch
