@@ -18,7 +18,7 @@ from torchpp.pipeline.errors import PipelineError
 from torchpp.pipeline.microbatch import (chunk_dim_of, loss_weights, merge_chunks, split_args_kwargs_into_chunks,
                                          split_microbatches)
 from torchpp.pipeline.stage import PipelineStage
-from torchpp.tensor_parallel.utils import share_summed_grads
+from torchpp.tensor_parallel.utils import combine_flat_grads, share_summed_grads
 
 # Tag of the gradient exchange between DualPipe's twin stages, far above the executor's tags.
 _TWIN_GRAD_TAG = 1 << 30
@@ -342,22 +342,17 @@ class PipelineSchedule:
 
     def _sum_twin_gradients(self) -> None:
         """DualPipe: rank r and rank p-1-r both hold model stages r and p-1-r; add up their grads."""
-        partner = self.schedule.num_ranks - 1 - self.rank
-        params = self._twin_params
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        theirs = torch.empty_like(flat)
-        peer = dist.get_global_rank(self.group, partner)
-        ops = [dist.P2POp(dist.isend, flat, peer, self.group, _TWIN_GRAD_TAG),
-               dist.P2POp(dist.irecv, theirs, peer, self.group, _TWIN_GRAD_TAG)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        flat.add_(theirs)
-        for param, summed in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
-            if param.grad is None:
-                param.grad = summed.clone()
-            else:  # in place: .grad may be a view of a data-parallel bucket
-                param.grad.copy_(summed)
+        peer = dist.get_global_rank(self.group, self.schedule.num_ranks - 1 - self.rank)
+
+        def add_twins(flat: torch.Tensor) -> torch.Tensor:
+            theirs = torch.empty_like(flat)
+            ops = [dist.P2POp(dist.isend, flat, peer, self.group, _TWIN_GRAD_TAG),
+                   dist.P2POp(dist.irecv, theirs, peer, self.group, _TWIN_GRAD_TAG)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            return flat.add_(theirs)
+
+        combine_flat_grads(self._twin_params, add_twins)
 
     # ---- measurements ----
     @property

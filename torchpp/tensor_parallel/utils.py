@@ -71,14 +71,22 @@ def allreduce_tp_replica_grads(module: torch.nn.Module, group=None) -> None:
         raise ValueError(f"torchpp: parameters copied onto different numbers of TP ranks "
                          f"{sorted({p.tp_replicas for p in params})} in one module")
     group = group_of(group)
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch._utils._flatten_dense_tensors(grads)
-    gathered = flat.new_empty(group.size() * flat.numel())
-    dist.all_gather_into_tensor(gathered, flat, group=group)
-    gathered = gathered.view(group.size(), -1)
     first = dist.get_rank(group) // replicas * replicas
-    summed = gathered[first : first + replicas].sum(0)
-    for param, grad in zip(params, torch._utils._unflatten_dense_tensors(summed, grads)):
+
+    def sum_copies(flat: torch.Tensor) -> torch.Tensor:
+        gathered = flat.new_empty(group.size() * flat.numel())
+        dist.all_gather_into_tensor(gathered, flat, group=group)
+        return gathered.view(group.size(), -1)[first : first + replicas].sum(0)
+
+    combine_flat_grads(params, sum_copies)
+
+
+def combine_flat_grads(params, combine) -> None:
+    """Replaces the gradients of ``params`` (zeros where one is None) by ``combine`` of them
+    flattened into one tensor, e.g. a sum with other ranks' in one message."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    combined = combine(torch._utils._flatten_dense_tensors(grads))
+    for param, grad in zip(params, torch._utils._unflatten_dense_tensors(combined, grads)):
         if param.grad is None:
             param.grad = grad.clone()
         else:  # in place: .grad may be a view of a data-parallel bucket
