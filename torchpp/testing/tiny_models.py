@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 NUM_LAYERS = 4
+# Model types a tiny text model cannot be built for, and why (the sweep prints the reason).
+UNBUILDABLE: dict = {}
 # Attribute -> tiny value, applied where the config has the attribute.
 SIZES = {
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "embedding_dim": 64,
