@@ -157,6 +157,20 @@ def _check_heads(resolved: Mapping[str, str], ctx: TPContext) -> None:
                         f"(each rank holds whole key/value heads, copies of them when tp exceeds their number)")
 
 
+def _attention_dropout(model: nn.Module) -> bool:
+    config = _config(model)
+    return any(float(getattr(config, key, 0.0) or 0.0) > 0 for key in ("attention_dropout", "attn_pdrop"))
+
+
+def _local_kv_groups(model: nn.Module, ctx: TPContext) -> None:
+    """Attention whose key/value heads are copied (tp exceeds them) holds one of them per rank
+    for its num_heads / tp query heads: transformers' repeat_kv reads ``num_key_value_groups``."""
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups") and any(
+                getattr(getattr(child, "weight", None), "tp_replicas", 1) > 1 for child in module.children()):
+            module.num_key_value_groups = ctx.num_heads // ctx.size
+
+
 def _tied_parameters(model: nn.Module) -> List[nn.Parameter]:
     """Parameters that more than one module holds (a tied input and output embedding)."""
     holders: Dict[int, int] = {}
@@ -505,7 +519,8 @@ def parallelize(
             pp part names the stack of layers (transformers' form, or module names in the order
             they run). Default: the transformers model's own plans.
         sequence_parallel: the residual stream and norms hold sequence slices (Megatron-3).
-        recompute: None or "full" (checkpoint each layer).
+        recompute: None, "full" (checkpoint each layer) or, for transformers models, "selective"
+            (recompute the attention function: the s x s scores and probabilities).
         split: first layer index of each model stage after the first; default even; "auto": a
             quick profile and torchpp.plan's partitioner choose it.
         state: the ParallelState (default: the current one, or init_parallel(tp, pp)).
@@ -520,9 +535,6 @@ def parallelize(
         ``model`` itself, parallelized.
     """
     check_recompute_mode(recompute)
-    if recompute == "selective":
-        raise ValueError("torchpp.parallelize: recompute='selective' recomputes torchpp's own attention core, which "
-                         "a wrapped model does not have; use recompute='full' (each layer checkpointed)")
     state = _resolve_state(state, tp, pp)
     _ensure_tp_rng(state)
     hf = is_transformers_model(model)
@@ -546,8 +558,9 @@ def parallelize(
     n_microbatches = n_microbatches or state.pp
     num_stages, mine, rank_of, num_pipelines = _placement(schedule, state.pp, n_microbatches, state.pp_rank)
     strict = plan is not None
-    if state.tp > 1:
-        resolve_plan(model, tp_plan, strict)  # a user's glob matching nothing raises before anything changes
+    ctx = _tp_context(model, state, sequence_parallel, split_bw=state.pp > 1)
+    if state.tp > 1:  # bad plans and head counts raise before anything changes
+        _check_heads(resolve_plan(model, tp_plan, strict), ctx)
 
     # ---- pipeline: keep this rank's stages ----
     tied = _tied_parameters(model)
@@ -560,10 +573,9 @@ def parallelize(
         stages = cut_in_place(model, layout, bounds, mine, hf)
 
     # ---- tensor and sequence parallelism on what is left ----
-    ctx = _tp_context(model, state, sequence_parallel, split_bw=state.pp > 1)
     if state.tp > 1:
-        resolved = apply_tp_plan(model, tp_plan, ctx, strict=False, config=_config(model))
-        _check_heads(resolved, ctx)
+        apply_tp_plan(model, tp_plan, ctx, strict=False, config=_config(model))
+        _local_kv_groups(model, ctx)
         if fixups is not None:
             fixups(model, ctx)
     if sequence_parallel and state.tp > 1:
@@ -571,6 +583,13 @@ def parallelize(
             raise PlanError("torchpp.parallelize: sequence_parallel needs the model's stack of layers (a pp plan)")
         stack = get_submodule(model, layout.layers)
         _apply_sequence_parallel(stack, ctx, num_layers)
+    if hf and (recompute == "selective" or (state.tp > 1 and _attention_dropout(model))):
+        from torchpp.models.attention import wrap_attention
+
+        wrap_attention(model, recompute_core=recompute == "selective")
+    elif recompute == "selective":
+        raise PlanError("torchpp.parallelize: recompute='selective' recomputes a transformers model's attention "
+                        "function; for another model use recompute='full'")
     if recompute == "full":
         if layout is None:
             raise PlanError("torchpp.parallelize: recompute='full' checkpoints each layer of the stack (a pp plan)")
@@ -586,8 +605,8 @@ def parallelize(
     model.stage_indices = mine
     model._num_model_stages = num_stages
     model.grad_scaler = grad_scaler
-    if not causal_lm:
-        model.loss_fn = loss_fn
+    if not causal_lm:  # not a submodule, even when the loss is an nn.Module
+        object.__setattr__(model, "loss_fn", loss_fn)
     if causal_lm and vocab_parallel_logits:
         head = model.get_output_embeddings()
         if getattr(head, "tp", None) is not None:

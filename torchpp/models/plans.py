@@ -48,6 +48,28 @@ FAMILY_PLANS: Dict[str, Tuple[Dict[str, str], Optional[Callable[[nn.Module, TPCo
 }
 
 
+# Entries some transformers plans miss: parameters applied to rank-local activations (between a
+# column- and a row-split projection), whose gradients are partial on each rank.
+AMENDMENTS: Dict[str, Dict[str, str]] = {
+    "apertus": {"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},  # xIELU's learned alphas
+    "apertus1p5_text": {"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+}
+HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3-style norms over each projected query / key head
+
+
+def complete_hf_plan(model: nn.Module, plan: Dict[str, str]) -> Dict[str, str]:
+    """transformers' plan plus what it misses: the per-head q/k norms of attention whose q/k
+    projections it splits by heads (several types' plans leave them out), and ``AMENDMENTS``."""
+    plan = dict(plan)
+    for key, style in list(plan.items()):
+        parent, _, name = key.rpartition(".")
+        if style == "colwise" and name in ("q_proj", "k_proj"):
+            for norm in HEAD_NORMS:
+                plan.setdefault(f"{parent}.{norm}", "replicated_with_grad_allreduce")
+    plan.update(AMENDMENTS.get(_model_type(model), {}))
+    return plan
+
+
 def _model_type(model: nn.Module) -> Optional[str]:
     return getattr(getattr(model, "config", None), "model_type", None)
 
@@ -67,7 +89,7 @@ def hf_tp_plan(model: nn.Module) -> Tuple[Dict[str, str], Optional[Callable]]:
     if not plan:
         raise PlanError(f"torchpp.parallelize: {type(model).__name__} (model type {_model_type(model)!r}) has no "
                         f"tensor-parallel plan (its config's base_model_tp_plan is empty); pass plan=")
-    return plan, None
+    return complete_hf_plan(model, plan), None
 
 
 def _stack_path(model: nn.Module, names: List[str]) -> Optional[str]:

@@ -133,6 +133,8 @@ class ModelStage(nn.Module):
         self.after = nn.ModuleList(get_submodule(model, p) for p in layout.after) if last else None
         self._incoming: Optional[torch.Tensor] = None
         self._active = False
+        # Layers of this rank's other stages are set aside while this stage runs the stack.
+        self._others: Dict[int, nn.Module] = {}
         if hf:
             if not first:
                 self.layers[0].register_forward_pre_hook(self._enter, with_kwargs=True)
@@ -151,13 +153,23 @@ class ModelStage(nn.Module):
         if self._active:
             raise _Exit(output)
 
+    def set_aside(self, layers: Dict[int, nn.Module]) -> None:
+        """The layers of this rank's other stages (indices in the stack), which must not run
+        (on this stage's placeholder input) when this stage runs the model's forward."""
+        self._others = dict(layers)
+
     @contextlib.contextmanager
     def _running(self, incoming: Optional[torch.Tensor]):
+        stack = get_submodule(self._model, self.layout.layers)
+        for i in self._others:
+            stack[i] = ElsewhereLayer(i)
         self._incoming, self._active = incoming, True
         try:
             yield
         finally:
             self._incoming, self._active = None, False
+            for i, layer in self._others.items():
+                stack[i] = layer
 
     def forward(self, x: torch.Tensor, *rest: torch.Tensor, **kwargs):
         if not self.hf:
@@ -174,7 +186,7 @@ class ModelStage(nn.Module):
             position_ids, attention_mask = rest[0], (rest[1] if len(rest) > 1 else None)
             # The model's own forward runs up to our first layer on a placeholder of the full
             # sequence's shape, where the received hidden states are swapped in.
-            placeholder = x.new_zeros(x.shape[0], position_ids.shape[1], *x.shape[2:])
+            placeholder = x.new_zeros(x.shape[0], position_ids.shape[1], self._embedding_width(x))
             call = dict(inputs_embeds=placeholder, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
             incoming = x
         with self._running(incoming):
@@ -185,6 +197,13 @@ class ModelStage(nn.Module):
                 hidden = _hidden(leaving.output)
                 return (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
         return output.logits if hasattr(output, "logits") else output[0]
+
+    def _embedding_width(self, hidden: torch.Tensor) -> int:
+        # The input embeddings' width; the hidden states between layers may have more dimensions
+        # (several residual streams).
+        config = getattr(self._model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(config, "hidden_size", None) or hidden.shape[-1]
 
     def _sequential(self, x, *rest, **kwargs):
         if self.first:
@@ -233,5 +252,8 @@ def cut_in_place(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int]
         if not keep:
             for path in paths:
                 set_submodule(model, path, Elsewhere(path, before))
-    return {s: ModelStage(model, layout, s, (bounds[s], bounds[s + 1]), s == 0, s == num_stages - 1, hf)
-            for s in mine}
+    stages = {s: ModelStage(model, layout, s, (bounds[s], bounds[s + 1]), s == 0, s == num_stages - 1, hf)
+              for s in mine}
+    for s, stage in stages.items():
+        stage.set_aside({i: stack[i] for t in mine if t != s for i in range(bounds[t], bounds[t + 1])})
+    return stages

@@ -284,20 +284,21 @@ class Style:
         raise PlanError(f"torchpp plan: style {self.name!r} applies to modules, but {name} is a parameter")
 
 
+KEY_VALUE_NAMES = ("k_proj", "v_proj", "key", "value")
+
+
 def _head_layout(out_features: int, dim: int, ctx: TPContext, name: str) -> Layout:
-    """Rows of a column-split projection: whole heads per rank; key/value heads fewer than the
-    TP ranks are copied onto several ranks each."""
+    """Rows of a column-split projection; key/value heads fewer than the TP ranks are copied
+    onto several ranks each."""
     t, head_dim = ctx.size, ctx.head_dim
-    if head_dim and ctx.num_kv_heads and out_features == ctx.num_kv_heads * head_dim and ctx.num_kv_heads < t:
+    is_key_value = name.rpartition(".")[2] in KEY_VALUE_NAMES
+    if is_key_value and head_dim and ctx.num_kv_heads and out_features == ctx.num_kv_heads * head_dim \
+            and ctx.num_kv_heads < t:
         kv = ctx.num_kv_heads
         if t % kv:
             raise PlanError(f"torchpp plan: {name} holds num_key_value_heads={kv} heads, which tp={t} neither "
                             f"divides nor is a multiple of")
         return HeadCopies(dim, head_dim, t // kv)
-    if head_dim and out_features % head_dim == 0 and out_features % (head_dim * t):
-        heads = out_features // head_dim
-        raise PlanError(f"torchpp plan: {name} holds {heads} heads of {head_dim}, which tp={t} does not divide "
-                        f"(each rank must hold whole heads)")
     if out_features % t:
         raise PlanError(f"torchpp plan: {name} has {out_features} output features, which tp={t} does not divide")
     return Split(dim, out_features)
@@ -335,12 +336,9 @@ class Colwise(Style):
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
         # Copies' gradients are summed by a hook, which a deferred (W pass) gradient would skip.
+        # out_features stays the whole layer's, as transformers' own TP keeps it (models read it).
         module.tp = LinearTP(ctx.group, column=True, gather_output=self.gather_output, out_features=out_features,
                              split_bw=ctx.split_bw and not copies)
-        if kind == "linear":
-            module.out_features = module.weight.shape[0]
-        else:
-            module.nf = module.weight.shape[1]
 
     def apply_param(self, module, param_name, name, ctx):
         param = getattr(module, param_name)
@@ -371,10 +369,6 @@ class Rowwise(Style):
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
         module.tp = LinearTP(ctx.group, column=False, split_input=self.split_input, split_bw=ctx.split_bw)
-        if kind == "linear":
-            module.in_features = module.weight.shape[1]
-        else:
-            module.nx = module.weight.shape[0]
 
     def apply_param(self, module, param_name, name, ctx):
         param = getattr(module, param_name)
