@@ -65,6 +65,7 @@ def check_load(case, directory):
     load_hf_weights(wrapped, checkpoint)
 
     what = f"{kind} pp={pp} {schedule} {form} kv_heads={kv_heads}"
+    original = copy.deepcopy(model)  # parallelize shards model itself, in place
     expected = parallelize(model, schedule=schedule, n_microbatches=4, state=state)
     got_params, want_params = dict(wrapped.named_parameters()), dict(expected.named_parameters())
     assert got_params.keys() == want_params.keys(), what
@@ -73,8 +74,8 @@ def check_load(case, directory):
     want_buffers = dict(expected.named_buffers())
     for name, buffer in wrapped.named_buffers():
         assert torch.equal(buffer, want_buffers[name]), f"{what}: buffer {name}"
-    _check_saved(wrapped, model, os.path.join(directory, "saved"), what)
-    _, ref_loss, ref_grads = reference_step(copy.deepcopy(model), ids, labels)
+    _check_saved(wrapped, original, os.path.join(directory, "saved"), what)
+    _, ref_loss, ref_grads = reference_step(original, ids, labels)
     return check_wrapped_step(wrapped, ids, labels, ref_loss, ref_grads, what)
 
 
@@ -128,7 +129,7 @@ def check_errors(directory):
         load_hf_weights(wrapped, directory)
     partial = {k: v for k, v in model.state_dict().items() if k != "model.norm.weight"}
     with pytest.raises(KeyError, match="model.norm.weight"):
-        load_hf_weights(parallelize(model, state=state), partial)
+        load_hf_weights(parallelize(copy.deepcopy(model), state=state), partial)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_hf_weights(wrapped, os.path.join(directory, "missing"))
     with torch.device("meta"):
@@ -136,7 +137,7 @@ def check_errors(directory):
     with pytest.raises(ValueError, match="split='auto'"):
         parallelize(meta, split="auto", state=torchpp.init_parallel(tp=1, pp=2))
     # A save never replaces a folder (not atomically possible); a crashed save's leftovers go.
-    saved, wrapped = os.path.join(directory, "saved"), parallelize(model, state=state)
+    saved, wrapped = os.path.join(directory, "saved"), parallelize(copy.deepcopy(model), state=state)
     with pytest.raises(RuntimeError, match="already exists"):
         save_hf_checkpoint(wrapped, directory)
     if dist.get_rank() == 0:

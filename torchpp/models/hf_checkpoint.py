@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpp.checkpoint.directory import commit_directory, on_rank0, prepare_directory
-from torchpp.models.hf_moe import on_disk_format
+from torchpp.models.hf_disk_format import on_disk_format
 
 Checkpoint = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
 

@@ -31,7 +31,7 @@ from torchpp.parallel.groups import ParallelState, get_parallel_state, init_para
 from torchpp.recompute import check_recompute_mode
 from torchpp.tensor_parallel.plan import apply_sequence_parallel, apply_tp_plan, resolve_plan
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
-from torchpp.tensor_parallel.styles import PlanError, TPContext
+from torchpp.tensor_parallel.styles import PlanError, TPContext, install_grad_hooks
 
 IGNORE_INDEX = -100
 ATTENTION_WORDS = ("attn", "attention")
@@ -182,31 +182,44 @@ def _tied_parameters(model: nn.Module) -> List[nn.Parameter]:
     return [params[k] for k, n in holders.items() if n > 1]
 
 
+def _tied_names(model: nn.Module) -> Dict[str, str]:
+    """{second name of a tied parameter: its first name} (a tied head: its embedding's name),
+    which checkpoints read and write once."""
+    first: Dict[int, str] = {}
+    aliases: Dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def _rebuild_meta_buffers(model: nn.Module, device: torch.device) -> None:
-    """Buffers a model built on the meta device left there (rotary frequencies, computed at
-    construction): recomputed by building the module again from its config."""
+    """Buffers a model built on the meta device left there (rotary frequencies, embedding
+    scales: computed at construction, never saved): a transformers model's own initialisation
+    (``_init_weights``) computes them again, as from_pretrained does."""
+    init = getattr(model, "_init_weights", None)
     for name, module in model.named_modules():
         stale = [b for b, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
         if not stale:
             continue
-        config = getattr(module, "config", None)
-        try:
-            fresh = type(module)(config=config) if config is not None else type(module)()
-        except Exception as error:
-            raise ValueError(f"torchpp.parallelize: buffers {stale} of {name} are on the meta device and "
-                             f"{type(module).__name__} cannot be rebuilt to recompute them ({error}); call "
-                             f"parallelize outside the meta-device context") from None
+        if init is None:
+            raise ValueError(f"torchpp.parallelize: buffers {stale} of {name} are on the meta device; build the model "
+                             f"on the meta device but call parallelize outside that context")
         for b in stale:
-            module._buffers[b] = getattr(fresh, b).to(device)
+            module._buffers[b] = torch.empty_like(module._buffers[b], device=device)
         for attr in ("original_inv_freq",):  # rotary modules keep a plain-tensor copy too
             if isinstance(getattr(module, attr, None), torch.Tensor) and getattr(module, attr).is_meta:
-                setattr(module, attr, getattr(fresh, attr).to(device))
+                setattr(module, attr, torch.empty_like(getattr(module, attr), device=device))
+        with torch.no_grad():
+            init(module)
 
 
 def _materialize(model: nn.Module, device: torch.device) -> bool:
     from torchpp.models.hf_checkpoint import materialize_meta
 
-    _rebuild_meta_buffers(model, device)
+    _rebuild_meta_buffers(model, device)  # what _init_weights does to meta parameters does nothing
     return materialize_meta(model, device)
 
 
@@ -564,6 +577,7 @@ def parallelize(
 
     # ---- pipeline: keep this rank's stages ----
     tied = _tied_parameters(model)
+    tied_names = _tied_names(model)
     stages: Dict[int, ModelStage] = {}
     num_layers = len(get_submodule(model, layout.layers)) if layout is not None else 0
     if state.pp > 1:
@@ -598,11 +612,13 @@ def parallelize(
     # ---- the wrapped model ----
     pending = _materialize(model, state.device)
     model.to(state.device)
+    install_grad_hooks(model, ctx)  # on the parameters' final storage
     _swap_model_class(model, ParallelCausalLM if causal_lm else ParallelModule)
     model.parallel_state = state
     model._tp_context = ctx
     model.weights_pending = pending
     model.stage_indices = mine
+    model.tied_names = tied_names
     model._num_model_stages = num_stages
     model.grad_scaler = grad_scaler
     if not causal_lm:  # not a submodule, even when the loss is an nn.Module

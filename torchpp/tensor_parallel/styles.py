@@ -98,37 +98,44 @@ def full_shape(param: torch.Tensor, ctx: TPContext) -> torch.Size:
 
 
 def sum_grads_over_tp(param: nn.Parameter, ctx: TPContext) -> None:
-    """Gradients of ``param`` arrive partial on each TP rank (replicated weights applied to
-    rank-local data: sequence slices, own heads); a hook sums them before they accumulate, so
-    ``.grad`` is complete after every backward."""
-    if getattr(param, "tp_grad_sum", False):
-        return
-    group = ctx.group
+    """Marks ``param`` as replicated but applied to rank-local data (sequence slices, its own
+    heads): its gradients arrive partial on each TP rank and ``install_grad_hooks`` sums them
+    before they accumulate, so ``.grad`` is complete after every backward."""
+    param.tp_grad_sum = getattr(param, "tp_grad_sum", None) or "tp"
+    param.tp_layout = getattr(param, "tp_layout", None) or Replicated()
+
+
+def sum_grads_over_copies(param: nn.Parameter, ctx: TPContext) -> None:
+    """Marks a head copied onto ``param.tp_replicas`` consecutive TP ranks: each copy's share of
+    the gradient is summed over its copies (``install_grad_hooks``)."""
+    param.tp_grad_sum = "copies"
+
+
+def install_grad_hooks(module: nn.Module, ctx: TPContext) -> None:
+    """Registers the gradient sums ``sum_grads_over_tp`` and ``sum_grads_over_copies`` marked
+    (after the parameters have their final storage: a hook belongs to a tensor's storage)."""
+    group, rank, size = ctx.group, ctx.rank, ctx.size
 
     def all_reduce(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
         dist.all_reduce(grad, group=group)
         return grad
 
-    ctx.hooks.append(param.register_hook(all_reduce))
-    param.tp_grad_sum = True
-    param.tp_layout = getattr(param, "tp_layout", None) or Replicated()
+    def sum_copies(replicas: int):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            slots = grad.new_zeros((size // replicas,) + tuple(grad.shape))
+            slots[rank // replicas] = grad
+            dist.all_reduce(slots, group=group)  # one all-reduce; each rank adds into its head's slot
+            return slots[rank // replicas]
+        return hook
 
-
-def sum_grads_over_copies(param: nn.Parameter, ctx: TPContext) -> None:
-    """Gradients of a head copied onto ``replicas`` consecutive TP ranks: each copy's share is
-    summed over its copies (one all-reduce over TP, each rank adding into its head's slot)."""
-    group, replicas, rank = ctx.group, param.tp_replicas, ctx.rank
-    heads = ctx.size // replicas
-
-    def sum_copies(grad: torch.Tensor) -> torch.Tensor:
-        slots = grad.new_zeros((heads,) + tuple(grad.shape))
-        slots[rank // replicas] = grad
-        dist.all_reduce(slots, group=group)
-        return slots[rank // replicas]
-
-    ctx.hooks.append(param.register_hook(sum_copies))
-    param.tp_grad_sum = True
+    for param in module.parameters():
+        kind = getattr(param, "tp_grad_sum", None)
+        if kind is None or getattr(param, "_tp_grad_hooked", False):
+            continue
+        hook = all_reduce if kind == "tp" else sum_copies(param.tp_replicas)
+        ctx.hooks.append(param.register_hook(hook))
+        param._tp_grad_hooked = True
 
 
 # ---- TP forwards of linears and embeddings -----------------------------------------------------
