@@ -122,6 +122,16 @@ def check_user_pp(schedule, tp):
     loss = wrapped.step(ids if wrapped.has_first_stage else None, target=target if wrapped.has_last_stage else None)
     if wrapped.has_last_stage:
         assert_close(loss, ref_loss, f"user model pp=2 tp={tp} {schedule} loss")
+    # Zero-bubble schedules put the linears the plan leaves plain on the split B/W op (W has work).
+    held = {id(m): m for st in wrapped.schedule.stages for m in st.submod.modules() if isinstance(m, nn.Linear)}
+    plain = [m for m in held.values() if getattr(m.weight, "tp_layout", None) is None]
+    swapped = [m for m in held.values() if hasattr(type(m), "_torchpp_plain_class")]
+    # tp=1: every linear is plain; tp=2: the plan shards all but the head.
+    assert len(plain) == (len(held) if tp == 1 else int(wrapped.has_last_stage)), (len(plain), len(held))
+    if schedule in ("zb-h1", "zb-v"):
+        assert swapped == plain, (schedule, tp, len(swapped), len(plain))
+    else:
+        assert not swapped, (schedule, tp, len(swapped))
     return sorted(_compare(wrapped, ref_grads, f"user model pp=2 tp={tp} {schedule}"))
 
 

@@ -504,6 +504,7 @@ def parallelize(
     grad_scaler=None,
     vocab_parallel_logits: bool = False,
     loss_fn=None,
+    split_bw: Optional[bool] = None,
 ) -> nn.Module:
     """Shards ``model`` in place over tensor- and pipeline-parallel ranks, by plan.
 
@@ -543,6 +544,10 @@ def parallelize(
             slice of the logits and compute the loss on the slices.
         loss_fn: ``loss_fn(output, target)`` of ``step`` for a model that is not a transformers
             causal LM.
+        split_bw: whether the plain ``nn.Linear`` layers the plan leaves unsharded (and any
+            ``nn.MultiheadAttention``) run their backward split into I and W
+            (``PipelineStage(split_bw=)``): None (default) on under schedules with W passes,
+            so those passes carry their weight gradients; False keeps their backward in I.
 
     Returns:
         ``model`` itself, parallelized.
@@ -643,7 +648,7 @@ def parallelize(
         if num_pipelines == 2:
             model.loss_group = _end_ranks_group(state, rank_of[first], rank_of[last])
         _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, state, sequence_parallel,
-                        grad_scaler, causal_lm, loss_fn)
+                        grad_scaler, causal_lm, loss_fn, split_bw)
     return model
 
 
@@ -657,11 +662,11 @@ def _apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, num_layers: i
 
 
 def _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, state, sequence_parallel, grad_scaler,
-                    causal_lm, loss_fn) -> None:
+                    causal_lm, loss_fn, split_bw) -> None:
     from torchpp.pipeline import PipelineStage, build_schedule
 
     pipeline_stages = [PipelineStage(stages[i], i, num_stages, state.device, group=state.pp_group,
-                                     tp_group=state.tp_group) for i in mine]
+                                     tp_group=state.tp_group, split_bw=split_bw) for i in mine]
     # A plain list, not a submodule: the stages' parameters are the model's, under their own names.
     object.__setattr__(model, "pipeline_stages", [stages[i] for i in mine])
     if causal_lm:
