@@ -3,7 +3,9 @@
 The peer is what a Megatron-style codebase writes without torchpp: Python
 torch.autograd.Functions calling torch.distributed collectives. Both run in the same
 processes on the same tensors; the script prints per-op medians, spreads and the ratio
-torchpp / plain (below 1 is faster).
+torchpp / plain (below 1 is faster). torchpp is also timed with its shape check before each
+gloo collective turned off (torchpp.O.set_collective_checks(False)), interleaved, and the
+ratio checked / unchecked is the check's cost.
 
     torchrun --standalone --nproc-per-node 2 bench/bench_tp_ops.py
 """
@@ -119,16 +121,21 @@ def main():
     }
     if dist.get_rank() == 0:
         print(f"world={world} s={s} b={b} h={h} repeats={args.repeats} (median, spread=(max-min)/median)")
-        print(f"{'case':28s} {'torchpp ms':>11s} {'spread':>7s} {'plain ms':>9s} {'spread':>7s} {'ratio':>6s}")
+        print(f"{'case':28s} {'torchpp ms':>11s} {'spread':>7s} {'plain ms':>9s} {'spread':>7s} {'ratio':>6s} "
+              f"{'unchecked ms':>13s} {'spread':>7s} {'checked/unchecked':>18s}")
     for name, (ours, plain) in cases.items():
-        # Interleave the two so drift on a noisy machine hits both alike.
-        mine, theirs = [], []
+        # Interleave the three so drift on a noisy machine hits all alike.
+        mine, theirs, unchecked = [], [], []
         for _ in range(3):
             mine += time_it(ours, args.repeats // 3)
             theirs += time_it(plain, args.repeats // 3)
-        (m_med, m_spread), (p_med, p_spread) = summary(mine), summary(theirs)
+            O.set_collective_checks(False)
+            unchecked += time_it(ours, args.repeats // 3)
+            O.set_collective_checks(True)
+        (m_med, m_spread), (p_med, p_spread), (u_med, u_spread) = summary(mine), summary(theirs), summary(unchecked)
         if dist.get_rank() == 0:
-            print(f"{name:28s} {m_med * 1e3:11.3f} {m_spread:7.2f} {p_med * 1e3:9.3f} {p_spread:7.2f} {m_med / p_med:6.2f}")
+            print(f"{name:28s} {m_med * 1e3:11.3f} {m_spread:7.2f} {p_med * 1e3:9.3f} {p_spread:7.2f} {m_med / p_med:6.2f} "
+                  f"{u_med * 1e3:13.3f} {u_spread:7.2f} {m_med / u_med:18.3f}")
     dist.destroy_process_group()
 
 

@@ -13,6 +13,9 @@ The schemas, kernels and autograd live in C++ (csrc/ops). These wrappers only tu
 | scatter_to_sp_region         | keep own sequence slice    | all-gather               |
 | gather_from_sp_region (g)    | all-gather along sequence  | reduce-scatter           |
 | reduce_scatter_to_sp_region  | reduce-scatter along seq.  | all-gather               |
+
+Over gloo, every collective is preceded by a check that all ranks pass the same shape and
+dtype (see ``set_collective_checks``).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-import torchpp  # noqa: F401  (loads the extension that registers torch.ops.torchpp)
+from torchpp import _C  # loading the extension registers torch.ops.torchpp
 
 GroupLike = Optional[Union[dist.ProcessGroup, str]]
 
@@ -37,6 +40,8 @@ __all__ = [
     "scatter_to_sp_region",
     "gather_from_sp_region",
     "reduce_scatter_to_sp_region",
+    "collective_checks",
+    "set_collective_checks",
 ]
 
 
@@ -99,3 +104,23 @@ def gather_from_sp_region(input: torch.Tensor, group: GroupLike = None, dim: int
 def reduce_scatter_to_sp_region(input: torch.Tensor, group: GroupLike = None, dim: int = 0) -> torch.Tensor:
     """Sequence-parallel g-bar: reduce-scatters along the sequence forward; all-gathers backward."""
     return _sized(torch.ops.torchpp.reduce_scatter_to_sp_region, input, group, dim)
+
+
+def collective_checks() -> bool:
+    """Whether the ops check shapes across ranks before each collective over gloo."""
+    return _C.collective_checks()
+
+
+def set_collective_checks(enabled: bool) -> None:
+    """Turns the check before each collective over gloo on (default) or off; the environment
+    variable TORCHPP_COLLECTIVE_CHECKS=0 starts with it off.
+
+    Ranks that pass tensors of different sizes to one gloo collective abort the whole process
+    (SIGABRT inside gloo). The check, one all-reduce of two int64 ahead of the collective,
+    makes every rank raise a RuntimeError naming each rank's shape instead, and leaves the
+    group usable. Groups whose backend is not gloo (NCCL) are not checked.
+
+    Args:
+        enabled: check (True) or not (False).
+    """
+    _C.set_collective_checks(bool(enabled))

@@ -4,6 +4,7 @@
 #include <torch/csrc/jit/python/module_python.h>
 #include <torch/extension.h>
 
+#include "ops/collective_check.h"
 #include "ops/split_linear_store.h"
 #include "runtime/executor.h"
 #include "runtime/failure.h"
@@ -17,9 +18,28 @@ namespace {
 
 py::object pipeline_error;
 py::object pipeline_shape_error;
+py::object pipeline_config_error;
+py::object pipeline_timeout_error;
 
 runtime::FailureKind kind_of(py::error_already_set& error) {
-  return error.matches(pipeline_shape_error) ? runtime::FailureKind::Shape : runtime::FailureKind::Generic;
+  if (error.matches(pipeline_shape_error)) return runtime::FailureKind::Shape;
+  if (error.matches(pipeline_config_error)) return runtime::FailureKind::Config;
+  if (error.matches(pipeline_timeout_error)) return runtime::FailureKind::Timeout;
+  return runtime::FailureKind::Generic;
+}
+
+const py::object& error_type(runtime::FailureKind kind) {
+  switch (kind) {
+    case runtime::FailureKind::Shape:
+      return pipeline_shape_error;
+    case runtime::FailureKind::Config:
+      return pipeline_config_error;
+    case runtime::FailureKind::Timeout:
+      return pipeline_timeout_error;
+    case runtime::FailureKind::Generic:
+      break;
+  }
+  return pipeline_error;
 }
 
 std::string type_name(const py::handle& obj) { return py::str(py::type::of(obj).attr("__name__")); }
@@ -104,7 +124,8 @@ std::unique_ptr<runtime::Executor> make_executor(
     std::string pp_group, std::string tp_group, int64_t tp_rank, int64_t tp_size, bool scatter_gather, bool in_order,
     std::vector<std::string> abort_groups, c10::Device device, const std::map<int, runtime::Tensors>& expected_inputs,
     const std::map<int, runtime::Tensors>& expected_outputs, std::set<int> backward_hooked_stages, py::object forward,
-    py::object after_backward, std::shared_ptr<runtime::ScriptStages> script) {
+    py::object after_backward, std::shared_ptr<runtime::ScriptStages> script, double timeout_s,
+    std::vector<std::pair<std::string, std::string>> fingerprint) {
   runtime::ExecutorConfig config;
   config.rank = rank;
   config.actions = std::move(actions);
@@ -121,6 +142,9 @@ std::unique_ptr<runtime::Executor> make_executor(
   config.expected_inputs = metas_of(expected_inputs);
   config.expected_outputs = metas_of(expected_outputs);
   config.backward_hooked_stages = std::move(backward_hooked_stages);
+  TORCH_CHECK(timeout_s >= 0, "torchpp pipeline: timeout must be positive seconds (0: the group's own), got ", timeout_s);
+  config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0 + 0.5));
+  config.fingerprint.fields = std::move(fingerprint);
   runtime::BackwardHook hook;
   if (!after_backward.is_none()) hook = python_backward_hook(after_backward.cast<py::function>());
   if (script) {  // TorchScript stages: the forward never enters Python
@@ -186,16 +210,26 @@ PYBIND11_MODULE(_C, m) {
       PyErr_NewException("torchpp._C.PipelineError", PyExc_RuntimeError, nullptr));
   pipeline_shape_error = py::reinterpret_steal<py::object>(
       PyErr_NewException("torchpp._C.PipelineShapeError", pipeline_error.ptr(), nullptr));
+  pipeline_config_error = py::reinterpret_steal<py::object>(
+      PyErr_NewException("torchpp._C.PipelineConfigError", pipeline_error.ptr(), nullptr));
+  // Also a TimeoutError, so `except TimeoutError` catches it.
+  pipeline_timeout_error = py::reinterpret_steal<py::object>(PyErr_NewException(
+      "torchpp._C.PipelineTimeoutError", py::make_tuple(pipeline_error, py::handle(PyExc_TimeoutError)).ptr(), nullptr));
   m.attr("PipelineError") = pipeline_error;
   m.attr("PipelineShapeError") = pipeline_shape_error;
+  m.attr("PipelineConfigError") = pipeline_config_error;
+  m.attr("PipelineTimeoutError") = pipeline_timeout_error;
   py::register_exception_translator([](std::exception_ptr error) {
     try {
       if (error) std::rethrow_exception(error);
     } catch (const runtime::PipelineFailure& failure) {
-      const auto& type = failure.kind() == runtime::FailureKind::Shape ? pipeline_shape_error : pipeline_error;
-      PyErr_SetString(type.ptr(), failure.what());
+      PyErr_SetString(error_type(failure.kind()).ptr(), failure.what());
     }
   });
+
+  // ---- Shape checks before collectives over gloo (ops/collective_check.h) ----
+  m.def("collective_checks", &collective_checks);
+  m.def("set_collective_checks", &set_collective_checks, py::arg("enabled"));
 
   // ---- Weight-gradient store of the split B/W linear ----
   m.def("wgrad_begin_capture", &weight_grad_store::begin_capture, py::arg("stage"), py::arg("microbatch"));
@@ -236,7 +270,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("tp_size"), py::arg("scatter_gather"), py::arg("in_order"), py::arg("abort_groups"), py::arg("device"),
            py::arg("expected_inputs"), py::arg("expected_outputs") = std::map<int, runtime::Tensors>{},
            py::arg("backward_hooked_stages") = std::set<int>{}, py::arg("forward") = py::none(),
-           py::arg("after_backward") = py::none(), py::arg("script") = nullptr)
+           py::arg("after_backward") = py::none(), py::arg("script") = nullptr, py::arg("timeout_s") = 0.0,
+           py::arg("fingerprint") = std::vector<std::pair<std::string, std::string>>{})
       .def("step", &runtime::Executor::step, py::arg("inputs_changed"), py::call_guard<py::gil_scoped_release>())
       .def("abort_step", &runtime::Executor::abort_step, py::arg("message"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("peak_activations", &runtime::Executor::peak_activations)

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "ops/collective_check.h"
 #include "ops/process_group.h"
 
 namespace torchpp {
@@ -37,28 +38,38 @@ int64_t shard_size(const at::Tensor& input, int64_t dim, int64_t group_size, con
 
 at::Tensor all_reduce_sum(const at::Tensor& input, const std::string& group_name, const char* op_name) {
   auto group = group_for(input, group_name, /*group_size=*/0, op_name);
+  check_same_input(*group, group_name, input, CollectiveKind::AllReduce, op_name);
   std::vector<at::Tensor> tensors{input.clone(at::MemoryFormat::Contiguous)};
   group->allreduce(tensors)->wait();
   return tensors[0];
 }
 
 at::Tensor all_gather_along(
-    const at::Tensor& input, int64_t dim, const std::string& group_name, int64_t group_size, const char* op_name) {
+    const at::Tensor& input, int64_t dim, const std::string& group_name, int64_t group_size, const char* op_name,
+    std::chrono::milliseconds timeout) {
   auto group = group_for(input, group_name, group_size, op_name);
+  check_same_input(*group, group_name, input, CollectiveKind::AllGather, op_name);
   const int64_t wrapped = at::maybe_wrap_dim(dim, input.dim());
   // Gather into a rank-major buffer, then move the rank axis back next to `dim`.
   auto leading = input.movedim(wrapped, 0).contiguous();
   auto sizes = leading.sizes().vec();
   sizes[0] *= group_size;
   auto gathered = at::empty(sizes, leading.options());
-  group->_allgather_base(gathered, leading)->wait();
+  auto work = group->_allgather_base(gathered, leading);
+  if (timeout.count() > 0) {
+    TORCH_CHECK(work->wait(timeout), "torchpp.", op_name, ": the all-gather did not complete");
+  } else {
+    work->wait();
+  }
   return gathered.movedim(0, wrapped).contiguous();
 }
 
 at::Tensor reduce_scatter_along(
     const at::Tensor& input, int64_t dim, const std::string& group_name, int64_t group_size, const char* op_name) {
-  const int64_t shard = shard_size(input, dim, group_size, op_name);
   auto group = group_for(input, group_name, group_size, op_name);
+  // Checked first: a size that divides on some ranks only must fail on every rank, not hang the others.
+  check_same_input(*group, group_name, input, CollectiveKind::ReduceScatter, op_name);
+  const int64_t shard = shard_size(input, dim, group_size, op_name);
   const int64_t wrapped = at::maybe_wrap_dim(dim, input.dim());
   auto leading = input.movedim(wrapped, 0).contiguous();
   auto sizes = leading.sizes().vec();

@@ -2,9 +2,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
 #include "ops/collectives.h"
+#include "ops/process_group.h"
 
 namespace torchpp::p2p {
 
@@ -25,14 +27,14 @@ at::Tensor scatter_slice(const at::Tensor& full, int64_t tp_rank, int64_t tp_siz
 }
 
 at::Tensor gather_slices(const at::Tensor& slice, c10::IntArrayRef shape, const std::string& tp_group_name,
-                         int64_t tp_size) {
+                         int64_t tp_size, std::chrono::milliseconds timeout) {
   const int64_t numel = c10::multiply_integers(shape);
   if (slice.numel() == numel) {
     return slice.view(shape);
   }
   TORCH_CHECK(slice.numel() * tp_size == numel, "torchpp.pp_gather_slices: a slice of ", slice.numel(),
               " elements times tp_size ", tp_size, " does not make a tensor of shape ", shape);
-  return all_gather_along(slice.view({-1}), 0, tp_group_name, tp_size, "pp_gather_slices").view(shape);
+  return all_gather_along(slice.view({-1}), 0, tp_group_name, tp_size, "pp_gather_slices", timeout).view(shape);
 }
 
 namespace {
@@ -44,6 +46,8 @@ at::Tensor pp_scatter_slice(const at::Tensor& input, int64_t tp_rank, int64_t tp
 
 at::Tensor pp_gather_slices(const at::Tensor& slice, c10::IntArrayRef shape, c10::string_view tp_group_name,
                             int64_t tp_size) {
+  // A name that resolves to no group is an error even where this message needs no all-gather.
+  resolve_group(std::string(tp_group_name));
   return gather_slices(slice, shape, std::string(tp_group_name), tp_size).clone();
 }
 

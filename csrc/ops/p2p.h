@@ -3,6 +3,7 @@
 // in the next stage, and the receivers all-gather the slices inside their TP group.
 #pragma once
 
+#include <chrono>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -17,8 +18,9 @@ int64_t sent_numel(int64_t numel, int64_t tp_size);
 at::Tensor scatter_slice(const at::Tensor& full, int64_t tp_rank, int64_t tp_size);
 
 // Rebuilds the tensor of `shape` from this rank's received slice: all-gathers over the TP
-// group when the tensor was sliced, otherwise only reshapes.
+// group when the tensor was sliced, otherwise only reshapes. `timeout`: how long the
+// all-gather may wait (zero: the group's own timeout).
 at::Tensor gather_slices(const at::Tensor& slice, c10::IntArrayRef shape, const std::string& tp_group_name,
-                         int64_t tp_size);
+                         int64_t tp_size, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
 }  // namespace torchpp::p2p

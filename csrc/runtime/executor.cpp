@@ -45,7 +45,7 @@ Executor::Executor(ExecutorConfig config, ForwardFn forward, BackwardHook after_
       after_backward_(std::move(after_backward)),
       actions_(parse_actions(config_.actions)),
       channel_(config_.pp_group, config_.tp_group, config_.tp_rank, config_.tp_size, config_.scatter_gather,
-               config_.in_order, config_.device),
+               config_.in_order, config_.device, config_.timeout, config_.fingerprint),
       failure_(config_.pp_group, config_.abort_groups),
       timeline_(config_.device),
       forward_only_(std::none_of(actions_.begin(), actions_.end(), [](const Action& a) {
@@ -79,8 +79,8 @@ void Executor::step(bool inputs_changed) {
     }
     current = nullptr;
     exchange_meta();  // a rank that never needed the answer still completes the vote
-    for (auto& entry : activation_sends_) entry.second.work->wait();
-    for (auto& send : other_sends_) send.work->wait();
+    for (auto& entry : activation_sends_) channel_.finish_send(entry.second);
+    for (auto& send : other_sends_) channel_.finish_send(send);
     TORCH_INTERNAL_ASSERT(saved_.empty(), "torchpp pipeline: ", saved_.size(),
                           " microbatch-stages were never run backward (schedule incomplete)");
     timeline_.finish_step();
@@ -126,6 +126,9 @@ bool Executor::exchange_meta() {
     TORCH_CHECK(vote.same_kind, "torchpp pipeline: rank ", config_.rank, " runs ",
                 forward_only_ ? "eval()" : "step()", " while another rank of the pipeline runs ",
                 forward_only_ ? "step()" : "eval()", "; every rank must call the same one");
+    if (!vote.disagreements.empty()) {
+      throw PipelineFailure(FailureKind::Config, "torchpp pipeline: " + channel_.disagreement_message(vote.disagreements));
+    }
   }
   return exchange_meta_;
 }
@@ -145,6 +148,9 @@ void Executor::reset_step_state() {
 }
 
 void Executor::run(const Action& action) {
+  // Every rank reads the step-start vote before its first message, so a disagreement found
+  // there stops every rank before any of them could wait on a message.
+  if (!schedule::is_compute(action.type)) exchange_meta();
   switch (action.type) {
     case ActionType::F:
       forward(action);
@@ -186,7 +192,19 @@ void Executor::forward(const Action& action) {
       if (!forward_only_ && carries_gradient(input.scalar_type())) input.requires_grad_(true);
     }
   }
-  Tensors outputs = forward_fn_(action.stage, action.microbatch, inputs);
+  Tensors outputs;
+  try {
+    outputs = forward_fn_(action.stage, action.microbatch, inputs);
+  } catch (const c10::DistError&) {
+    throw;  // a broken group: the failure path looks for the peer that broke it
+  } catch (const std::exception& error) {
+    if (inputs.empty()) throw;
+    // What the stage was given tells a wrong shape from the previous stage (e.g. another hidden size).
+    auto* failure = dynamic_cast<const PipelineFailure*>(&error);
+    throw PipelineFailure(failure ? failure->kind() : FailureKind::Generic,
+                          std::string(error.what()) + " (stage " + std::to_string(action.stage) + "'s input from stage " +
+                              std::to_string(action.stage - 1) + " was " + MessageMeta::of(inputs).str() + ")");
+  }
   TORCH_CHECK(!outputs.empty() && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.defined(); }),
               "stage ", action.stage, " returned no tensor for microbatch ", action.microbatch);
   TORCH_CHECK(!is_last(action.stage) || forward_only_ || outputs.size() == 1, "torchpp pipeline: the last stage's callback must return its loss alone");
@@ -264,7 +282,7 @@ void Executor::backward(const Action& action, bool split) {
   // The next stage consumed this microbatch's activation before sending its gradient back.
   auto sent = activation_sends_.find(key);
   if (sent != activation_sends_.end()) {
-    sent->second.work->wait();
+    channel_.finish_send(sent->second);
     activation_sends_.erase(sent);
   }
 }

@@ -16,9 +16,15 @@
 //  - Shapes/dtypes travel as a header before the data in steps where they may have changed
 //    (the first step, and steps whose input shapes changed); otherwise the cached ones are used
 //    and a stage output that disagrees raises PipelineShapeError.
+//  - Every step starts with a vote over the pipeline group (one small all-reduce, overlapped)
+//    that also compares the schedule fingerprint (fingerprint.h): ranks that built different
+//    schedules all raise PipelineConfigError before any message could hang.
+//  - Every blocking wait is bounded (bounded_wait.h): a peer that never answers (stopped, hung)
+//    fails the step with PipelineTimeoutError naming the action and the peer.
 //  - Any failure aborts the step on every rank (see failure.h).
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <set>
@@ -30,6 +36,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "runtime/failure.h"
+#include "runtime/fingerprint.h"
 #include "runtime/p2p_channel.h"
 #include "runtime/tensor_meta.h"
 #include "runtime/timeline.h"
@@ -61,6 +68,8 @@ struct ExecutorConfig {
   std::map<int, MessageMeta> expected_inputs;   // user-given input metadata per stage
   std::map<int, MessageMeta> expected_outputs;  // the same for outputs (not of last stages: pre-loss)
   std::set<int> backward_hooked_stages;         // stages whose backward calls the BackwardHook
+  std::chrono::milliseconds timeout{0};         // longest wait on a peer (zero: the group's own)
+  Fingerprint fingerprint;                      // what every rank's schedule must agree on
 };
 
 class Executor {
@@ -102,9 +111,10 @@ class Executor {
   MessageMeta gradient_meta(const Key& key) const;
   void reset_step_state();
   // Whether headers travel this step: every rank must agree, so a tiny all-reduce decides. It
-  // runs from the step's start and is read where a message first needs the answer, so the
-  // first stage's first forward overlaps it instead of waiting a collective's latency. It
-  // also raises if ranks disagree on step() against eval(), before any message could hang.
+  // runs from the step's start and is read before this rank's first message, so the first
+  // stage's first forward overlaps it instead of waiting a collective's latency. It also
+  // raises if ranks disagree on step() against eval(), or on the schedule fingerprint, before
+  // any message could hang.
   bool exchange_meta();
 
   int step_kind() const { return forward_only_ ? 1 : 0; }  // what the step-start vote compares

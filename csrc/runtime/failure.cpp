@@ -55,6 +55,10 @@ void FailurePropagation::fail(const std::exception& error, int rank, const std::
   if (auto* failure = dynamic_cast<const PipelineFailure*>(&error)) {
     kind = failure->kind();
   }
+  if (kind == FailureKind::Config) {
+    // Every rank found it at the same vote, before any message: nothing waits, nothing to break.
+    throw PipelineFailure(kind, error.what());
+  }
   std::string message;
   bool peer_failed = false;
   try {

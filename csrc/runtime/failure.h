@@ -1,7 +1,9 @@
 // Failing a pipeline step on every rank instead of hanging: the rank that fails first writes its
 // error into the pipeline group's store and aborts its process groups, which breaks its peers'
 // pending receives at once; each peer then raises the same error (the first rank's message)
-// and aborts its own groups in turn, so the failure reaches every rank.
+// and aborts its own groups in turn, so the failure reaches every rank. A configuration mismatch
+// (the step-start fingerprint) is seen by every rank at once, before any message, and leaves the
+// groups usable.
 #pragma once
 
 #include <stdexcept>
@@ -10,9 +12,11 @@
 
 namespace torchpp::runtime {
 
-enum class FailureKind : char { Generic = 'G', Shape = 'S' };
+// Generic: PipelineError; Shape: PipelineShapeError; Config: PipelineConfigError (ranks built
+// different schedules); Timeout: PipelineTimeoutError (a bounded wait ran out).
+enum class FailureKind : char { Generic = 'G', Shape = 'S', Config = 'C', Timeout = 'T' };
 
-// What the executor raises; the bindings map it to PipelineError / PipelineShapeError.
+// What the executor raises; the bindings map each kind to its Python exception.
 class PipelineFailure : public std::runtime_error {
  public:
   PipelineFailure(FailureKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}

@@ -12,7 +12,7 @@ compiler is one call away::
 The executor is C++ (csrc/runtime); see docs/pipeline.md.
 """
 from torchpp.pipeline import microbatch, weight_grad_store
-from torchpp.pipeline.errors import PipelineError, PipelineShapeError
+from torchpp.pipeline.errors import PipelineConfigError, PipelineError, PipelineShapeError, PipelineTimeoutError
 from torchpp.pipeline.schedules import PipelineSchedule, build_schedule
 from torchpp.pipeline.split import StageSequential, split_model
 from torchpp.pipeline.split_linear import SplitBWLinear, split_bw_linear
@@ -35,12 +35,14 @@ from torchpp.pipeline.tracing import Pipe, SplitPoint, build_stage, pipe_split, 
 
 __all__ = [
     "Pipe",
+    "PipelineConfigError",
     "PipelineError",
     "PipelineSchedule",
     "PipelineScheduleMulti",
     "PipelineScheduleSingle",
     "PipelineShapeError",
     "PipelineStage",
+    "PipelineTimeoutError",
     "Schedule1F1B",
     "ScheduleDualPipeV",
     "ScheduleGPipe",

@@ -6,6 +6,10 @@ forward (and the loss on a last stage).
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
+import os
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -14,8 +18,8 @@ from torch.utils._pytree import tree_flatten
 
 from torchpp import _C
 from torchpp import schedule as S
-from torchpp.pipeline.errors import PipelineError
 from torchpp.pipeline import split_modules
+from torchpp.pipeline.errors import PipelineError, PipelineTimeoutError
 from torchpp.pipeline.microbatch import (chunk_dim_of, loss_weights, merge_chunks, split_args_kwargs_into_chunks,
                                          split_microbatches)
 from torchpp.pipeline.stage import PipelineStage
@@ -24,6 +28,11 @@ from torchpp.tensor_parallel.utils import combine_flat_grads, share_summed_grads
 
 # Tag of the gradient exchange between DualPipe's twin stages, far above the executor's tags.
 _TWIN_GRAD_TAG = 1 << 30
+
+# The longest a rank waits on a peer inside a step unless build_schedule(timeout=) or
+# TORCHPP_PIPELINE_TIMEOUT says otherwise (torch's NCCL default; gloo's own is 30 minutes).
+DEFAULT_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "TORCHPP_PIPELINE_TIMEOUT"
 
 # What a stage returns, and the next stage receives as its positional arguments.
 StageOutput = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
@@ -39,6 +48,25 @@ def _detached(output: StageOutput) -> StageOutput:
     return output.detach() if isinstance(output, torch.Tensor) else tuple(t.detach() for t in output)
 
 
+def timeout_seconds(timeout: Union[None, float, datetime.timedelta]) -> float:
+    """The pipeline timeout in seconds: ``timeout`` if given, else TORCHPP_PIPELINE_TIMEOUT,
+    else DEFAULT_TIMEOUT_S; 0 leaves waits to the process group's own timeout."""
+    if timeout is None:
+        text = os.environ.get(TIMEOUT_ENV)
+        if text is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ValueError(f"torchpp pipeline: {TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    seconds = float(timeout)
+    if not seconds >= 0:
+        raise ValueError(f"torchpp pipeline: timeout must be a non-negative number of seconds, got {timeout!r}")
+    return seconds
+
+
 class PipelineSchedule:
     """A compiled schedule bound to this rank's stages; call ``step`` once per batch.
 
@@ -47,8 +75,9 @@ class PipelineSchedule:
 
     def __init__(self, schedule: "S.Schedule", stages: List[PipelineStage], loss_fn, scale_grads: bool,
                  scatter_gather: bool, in_order_p2p: Optional[bool] = None, *, args_chunk_spec=None,
-                 kwargs_chunk_spec=None, output_merge_spec=None, grad_scaler=None):
+                 kwargs_chunk_spec=None, output_merge_spec=None, grad_scaler=None, timeout=None):
         self.schedule = schedule
+        self.timeout = timeout_seconds(timeout)
         self.args_chunk_spec = args_chunk_spec
         self.kwargs_chunk_spec = kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
@@ -111,7 +140,26 @@ class PipelineSchedule:
             forward=None if self._script is not None else self._forward,
             after_backward=self._after_backward,
             script=self._script,
+            timeout_s=self.timeout,
+            fingerprint=self._fingerprint(lowered),
         )
+
+    def _fingerprint(self, lowered: "S.Schedule") -> List[Tuple[str, str]]:
+        """What every rank's executor of ``lowered`` must agree on; each step's start vote
+        compares it across the pipeline group (an empty value: unknown here, matches any)."""
+        sch = self.schedule
+        actions = "\n".join(",".join(lowered.actions(r)) for r in range(sch.num_ranks))
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for st in self.stages for p in st.submod.parameters()
+                         if p.is_floating_point()})
+        return [
+            ("schedule", sch.name),
+            ("n_microbatches", str(sch.num_microbatches)),
+            ("stages", str(sch.num_stages)),
+            ("pipelines", str(sch.num_pipelines)),
+            ("p2p", "in-order" if self.in_order_p2p else "tagged"),
+            ("lowered actions (hash)", hashlib.blake2b(actions.encode(), digest_size=8).hexdigest()),
+            ("parameter dtype", ",".join(dtypes)),
+        ]
 
     def _place(self, stages: List[PipelineStage]) -> Dict[int, PipelineStage]:
         """Maps each schedule stage this rank runs to the PipelineStage holding its parameters."""
@@ -360,12 +408,26 @@ class PipelineSchedule:
         """DualPipe: rank r and rank p-1-r both hold model stages r and p-1-r; add up their grads."""
         peer = dist.get_global_rank(self.group, self.schedule.num_ranks - 1 - self.rank)
 
+        # Bounded where the wait blocks the host, as the executor's (zero: the group's own timeout).
+        bounded = self.timeout > 0 and self.device.type == "cpu"
+        bound = datetime.timedelta(seconds=self.timeout if bounded else 0)
+
         def add_twins(flat: torch.Tensor) -> torch.Tensor:
             theirs = torch.empty_like(flat)
             ops = [dist.P2POp(dist.isend, flat, peer, self.group, _TWIN_GRAD_TAG),
                    dist.P2POp(dist.irecv, theirs, peer, self.group, _TWIN_GRAD_TAG)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            start = time.monotonic()
+            try:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait(bound)
+            except RuntimeError as error:
+                waited = time.monotonic() - start
+                if not bounded or waited < self.timeout:
+                    raise
+                raise PipelineTimeoutError(
+                    f"torchpp pipeline: rank {self.rank} waited {waited:.1f} s for the gradients of its DualPipe "
+                    f"twin (rank {self.schedule.num_ranks - 1 - self.rank}), the pipeline timeout: the peer is "
+                    f"stopped, hung, or slower than the limit allows") from error
             return flat.add_(theirs)
 
         combine_flat_grads(self._twin_params, add_twins)
@@ -397,6 +459,7 @@ def build_schedule(
     kwargs_chunk_spec=None,
     output_merge_spec=None,
     grad_scaler=None,
+    timeout: Union[None, float, datetime.timedelta] = None,
 ) -> PipelineSchedule:
     """Compiles schedule ``name`` for this rank's stages.
 
@@ -431,12 +494,23 @@ def build_schedule(
             seed by its current scale, so fp16 gradients arrive scaled (I and W passes alike)
             while ``losses`` stay unscaled. Unscale, step and update it after ``step()``, or
             let ``torchpp.parallel.DistributedOptimizer(grad_scaler=...)`` do so.
+        timeout: the longest any rank waits on a peer inside a step (seconds or a
+            ``timedelta``): a peer that is stopped, hung or gone makes every rank raise
+            ``PipelineTimeoutError`` naming the action and the peer. None: the environment
+            variable TORCHPP_PIPELINE_TIMEOUT, else 600 s; never longer than the process
+            group's own timeout; 0: the group's timeout alone. On GPUs it bounds the waits
+            that block the host (the step-start vote); NCCL's watchdog bounds device-side waits.
+
+    Every step starts with a vote over the pipeline group that also compares a fingerprint
+    of the schedule (name, n_microbatches, stages, lowered action lists, parameter dtype):
+    ranks that built different schedules all raise ``PipelineConfigError`` naming each
+    rank's values, before any message.
     """
     schedule, stage_list = compile_for_stages(name, stages, n_microbatches, costs=costs, memory_limit=memory_limit,
                                               microbatch_group_size=microbatch_group_size)
     return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p,
                             args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                            output_merge_spec=output_merge_spec, grad_scaler=grad_scaler)
+                            output_merge_spec=output_merge_spec, grad_scaler=grad_scaler, timeout=timeout)
 
 
 def compile_for_stages(name: Union[str, "S.Schedule"], stages: Union[PipelineStage, Sequence[PipelineStage]],

@@ -25,7 +25,7 @@ class _TorchNamedSchedule(PipelineSchedule):
                  loss_fn: Optional[Callable] = None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, backward_requires_autograd: bool = True,
                  defer_pp_recv: bool = False, *, scatter_gather: bool = True, in_order_p2p: Optional[bool] = None,
-                 grad_scaler=None, **schedule_options):
+                 grad_scaler=None, timeout=None, **schedule_options):
         """torch's arguments, in its order (the multi-stage classes' last two included: the
         receives' timing is the lowering's, so ``defer_pp_recv`` changes nothing here), then
         build_schedule's keyword options."""
@@ -42,7 +42,7 @@ class _TorchNamedSchedule(PipelineSchedule):
         schedule, stage_list = compile_for_stages(self.schedule_name, stages, n_microbatches, **schedule_options)
         super().__init__(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec, grad_scaler=grad_scaler)
+                         output_merge_spec=output_merge_spec, grad_scaler=grad_scaler, timeout=timeout)
 
 
 class PipelineScheduleMulti(_TorchNamedSchedule):
