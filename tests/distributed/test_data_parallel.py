@@ -19,7 +19,7 @@ def check_groups():
     # Megatron order: TP fastest, then DP, then PP.
     assert dist.get_process_group_ranks(state.tp_group) == [rank - rank % 2, rank - rank % 2 + 1]
     assert dist.get_process_group_ranks(state.pp_group) == [rank % 2, rank % 2 + 2]
-    assert state.mesh.mesh_dim_names == ("pp", "dp", "tp")
+    assert state.mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
     assert state.mesh["tp"].get_group().group_name == state.tp_group.group_name
     assert (state.pp_rank, state.tp_rank) == (rank // 2, rank % 2)
     swapped = init_parallel(tp=2, pp=2, order="pp-tp-dp")

@@ -7,7 +7,8 @@ copies flagged ``shared_duplicate`` (a tied output embedding on the last stage; 
 DualPipe, the twin copy of another rank's stage), which the rank holding the original counts. Without
 ZeRO the data-parallel replicas hold identical (already averaged) gradients, so the sum runs
 over the model-parallel group (pp x tp); with ZeRO-1 each DP rank holds a disjoint shard, so
-it runs over the whole world.
+it runs over the whole world. Context-parallel ranks hold the same (summed) gradients: the
+model-parallel group holds one of them, and ZeRO-1 shards over dp x cp.
 """
 from __future__ import annotations
 

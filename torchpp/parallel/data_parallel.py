@@ -55,6 +55,9 @@ class GradReducer:
         hold: parameters whose gradients change after backward (tied embeddings summed over
             stages); their buckets wait for finish(). Parameters flagged sequence_parallel
             (summed over TP after backward) are held too.
+        average_over: the replicas the summed gradients are divided by (default: the group's
+            size). Over the dp x cp group it is dp: context-parallel ranks hold parts of one
+            replica's gradient, which are summed, not averaged.
     """
 
     def __init__(
@@ -64,9 +67,11 @@ class GradReducer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         accumulations_per_step: int = 1,
         hold: Iterable[torch.nn.Parameter] = (),
+        average_over: Optional[int] = None,
     ):
         self.group = group
         self.size = group.size()
+        self.average_over = average_over or self.size
         self.accumulations_per_step = accumulations_per_step
         params = [p for p in params if p.requires_grad]
         # Reverse registration order approximates the order in which backward finishes them.
@@ -147,7 +152,7 @@ class GradReducer:
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
-            bucket.buffer.div_(self.size)
+            bucket.buffer.div_(self.average_over)
 
     def finish(self) -> OverlapStats:
         """Launches the buckets still pending, waits for all, and leaves averaged gradients."""

@@ -1,10 +1,11 @@
-"""Process groups for dp x pp x tp, built from torchrun's environment.
+"""Process groups for dp x pp x cp x tp, built from torchrun's environment.
 
 Ranks are laid out with the first name of `order` varying fastest. Megatron's default,
-"tp-dp-pp", keeps a TP group on consecutive ranks (inside one node, where the bandwidth is)
-and puts pipeline stages furthest apart (across nodes). The groups come from one
-`torch.distributed.device_mesh.DeviceMesh` with dims ("pp", "dp", "tp"), so torchpp and
-DTensor-based code share the same communicators.
+"tp-cp-dp-pp", keeps a TP group on consecutive ranks (inside one node, where the bandwidth is),
+context-parallel ranks next (they exchange keys/values every layer), and puts pipeline stages
+furthest apart (across nodes). An order without cp (e.g. the older "tp-dp-pp") is accepted
+while cp = 1. The groups come from one `torch.distributed.device_mesh.DeviceMesh` with dims
+("pp", "dp", "cp", "tp"), so torchpp and DTensor-based code share the same communicators.
 """
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-MESH_DIMS = ("pp", "dp", "tp")
-DEFAULT_ORDER = "tp-dp-pp"
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
 @dataclass
 class ParallelState:
-    """This rank's place in the dp x pp x tp layout and the groups that serve it."""
+    """This rank's place in the dp x pp x cp x tp layout and the groups that serve it."""
 
     tp: int
     pp: int
@@ -33,11 +34,17 @@ class ParallelState:
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
-    # Ranks with this rank's dp coordinate: everything one model replica spans (for norms).
+    # Ranks with this rank's dp and cp coordinates (pp x tp): each parameter once (for norms).
     model_parallel_group: dist.ProcessGroup
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: Optional[dist.ProcessGroup] = None
+    # Ranks with this rank's pp and tp coordinates (Megatron's dp-cp group): replicated
+    # parameters' gradients are summed over cp and averaged over dp across it. dp_group if cp = 1.
+    dp_cp_group: Optional[dist.ProcessGroup] = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
@@ -49,37 +56,48 @@ class ParallelState:
         return self.pp_rank == self.pp - 1
 
     def groups(self) -> Dict[str, dist.ProcessGroup]:
-        return {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group, "mp": self.model_parallel_group}
+        return {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group, "cp": self.cp_group,
+                "dp_cp": self.dp_cp_group, "mp": self.model_parallel_group}
 
 
 _STATE: Optional[ParallelState] = None
 
 
-def rank_grid(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> torch.Tensor:
-    """The [pp, dp, tp] tensor of global ranks for a layout whose `order` lists dims fastest first."""
+def mesh_grid(tp: int, pp: int, dp: int, cp: int = 1, order: str = DEFAULT_ORDER) -> torch.Tensor:
+    """The [pp, dp, cp, tp] tensor of global ranks for a layout whose `order` lists dims fastest first."""
     names = order.split("-")
+    if "cp" not in names and cp == 1:
+        names.insert(1 if names[:1] == ["tp"] else 0, "cp")  # a size-1 dim varies nowhere
     if sorted(names) != sorted(MESH_DIMS):
-        raise ValueError(f"torchpp: order {order!r} must name each of tp, dp, pp once, fastest first (e.g. 'tp-dp-pp')")
-    sizes = {"tp": tp, "pp": pp, "dp": dp}
+        missing = "" if "cp" in names else f"; with cp={cp} it must place cp too (e.g. 'tp-cp-dp-pp')"
+        raise ValueError(f"torchpp: order {order!r} must name each of tp, cp, dp, pp once, fastest first "
+                         f"(e.g. 'tp-cp-dp-pp'; cp may be left out while cp = 1){missing}")
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
     strides, stride = {}, 1
     for name in names:
         strides[name] = stride
         stride *= sizes[name]
-    p, d, t = torch.meshgrid(torch.arange(pp), torch.arange(dp), torch.arange(tp), indexing="ij")
-    return p * strides["pp"] + d * strides["dp"] + t * strides["tp"]
+    p, d, c, t = torch.meshgrid(torch.arange(pp), torch.arange(dp), torch.arange(cp), torch.arange(tp), indexing="ij")
+    return p * strides["pp"] + d * strides["dp"] + c * strides["cp"] + t * strides["tp"]
 
 
-def _validate(world: int, tp: int, pp: int, dp: Optional[int], num_heads, num_layers) -> int:
-    for name, value in (("tp", tp), ("pp", pp)):
+def rank_grid(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> torch.Tensor:
+    """The [pp, dp, tp] tensor of global ranks of a layout without context parallelism (cp = 1)."""
+    return mesh_grid(tp, pp, dp, 1, order)[:, :, 0, :]
+
+
+def _validate(world: int, tp: int, pp: int, cp: int, dp: Optional[int], num_heads, num_layers) -> int:
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
         if value < 1:
             raise ValueError(f"torchpp: {name}={value} must be at least 1")
-    if world % (tp * pp):
-        raise ValueError(f"torchpp: world size {world} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}")
-    inferred = world // (tp * pp)
+    names, sizes = ("tp*pp*cp", f"{tp}*{pp}*{cp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
+    model = tp * pp * cp
+    if world % model:
+        raise ValueError(f"torchpp: world size {world} is not divisible by {names} = {sizes} = {model}")
     if dp is None:
-        dp = inferred
-    if tp * pp * dp != world:
-        raise ValueError(f"torchpp: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not equal the world size {world}")
+        dp = world // model
+    if model * dp != world:
+        raise ValueError(f"torchpp: {names}*dp = {sizes}*{dp} = {model * dp} does not equal the world size {world}")
     if num_heads is not None and (tp > num_heads or num_heads % tp):
         raise ValueError(f"torchpp: tp={tp} must divide the number of attention heads {num_heads}")
     if num_layers is not None and pp > num_layers:
@@ -101,6 +119,7 @@ def init_parallel(
     pp: int = 1,
     dp: Optional[int] = None,
     *,
+    cp: int = 1,
     order: str = DEFAULT_ORDER,
     backend: Optional[str] = None,
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
@@ -108,13 +127,15 @@ def init_parallel(
     num_layers: Optional[int] = None,
 ) -> ParallelState:
     """Initialises torch.distributed (from torchrun's environment, if not yet done) and the
-    dp x pp x tp groups.
+    dp x pp x cp x tp groups.
 
     Args:
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
-        dp: data-parallel size; inferred as world_size / (tp * pp) when None.
-        order: dims from fastest- to slowest-varying rank, default "tp-dp-pp" (Megatron's).
+        dp: data-parallel size; inferred as world_size / (tp * pp * cp) when None.
+        cp: context-parallel size (the sequence split over cp ranks; see torchpp.context_parallel).
+        order: dims from fastest- to slowest-varying rank, default "tp-cp-dp-pp" (Megatron's);
+            an order without cp (e.g. "tp-dp-pp") is accepted while cp = 1.
         backend: process group backend; default nccl on CUDA, gloo otherwise.
         timeout: collective timeout, after which a would-be hang raises.
         num_heads: when given, checked to be divisible by tp.
@@ -130,22 +151,31 @@ def init_parallel(
             backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = _validate(world, tp, pp, dp, num_heads, num_layers)
-    grid = rank_grid(tp, pp, dp, order)
+    dp = _validate(world, tp, pp, cp, dp, num_heads, num_layers)
+    grid = mesh_grid(tp, pp, dp, cp, order)
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_DIMS)
-    where = (grid == rank).nonzero()[0].tolist()
-    pp_rank, dp_rank, tp_rank = where
-    # One group per dp coordinate spanning pp x tp: every rank of one model replica.
+    pp_rank, dp_rank, cp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()
+    # Every rank creates every group, in the same order. pp x tp per (dp, cp): each parameter once.
     model_parallel_group = None
     for d in range(dp):
-        group = dist.new_group(sorted(grid[:, d, :].flatten().tolist()))
-        if d == dp_rank:
-            model_parallel_group = group
+        for c in range(cp):
+            group = dist.new_group(sorted(grid[:, d, c, :].flatten().tolist()))
+            if (d, c) == (dp_rank, cp_rank):
+                model_parallel_group = group
+    dp_group = mesh.get_group("dp")
+    dp_cp_group = dp_group
+    if cp > 1:  # dp x cp per (pp, tp): where replicated parameters' gradients are reduced
+        for p in range(pp):
+            for t in range(tp):
+                group = dist.new_group(sorted(grid[p, :, :, t].flatten().tolist()))
+                if (p, t) == (pp_rank, tp_rank):
+                    dp_cp_group = group
     _STATE = ParallelState(
         tp=tp, pp=pp, dp=dp, order=order, mesh=mesh,
-        tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"),
+        tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"), dp_group=dp_group,
         model_parallel_group=model_parallel_group,
-        tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, device=device,
+        tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, cp=cp, cp_rank=cp_rank, cp_group=mesh.get_group("cp"),
+        dp_cp_group=dp_cp_group, device=device,
     )
     return _STATE
 
@@ -153,7 +183,7 @@ def init_parallel(
 def get_parallel_state() -> ParallelState:
     """The state built by init_parallel (raises when it was not called)."""
     if _STATE is None:
-        raise RuntimeError("torchpp: call torchpp.init_parallel(tp=, pp=, dp=) first")
+        raise RuntimeError("torchpp: call torchpp.init_parallel(tp=, pp=, cp=, dp=) first")
     return _STATE
 
 

@@ -24,7 +24,8 @@ from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
 
 class DistributedOptimizer:
-    """A torch.optim optimizer over this rank's parameters, data parallel over ``state.dp_group``.
+    """A torch.optim optimizer over this rank's parameters, data parallel over ``state.dp_group``
+    (with context parallelism, ``state.dp_cp_group``: gradients summed over cp, averaged over dp).
 
     Args:
         params: this rank's parameters (all its pipeline stages), or (name, parameter) pairs
@@ -93,12 +94,16 @@ class DistributedOptimizer:
         self._skips = SkipCounter(skip_limit)
         self.max_norm = max_norm
         self.zero = zero
+        # Over dp x cp (Megatron's dp-cp group): summed over cp, averaged over dp.
+        reduce_group = self.state.dp_cp_group or self.state.dp_group
         if zero:
-            self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, self.state.dp_group, **optimizer_kwargs)
+            self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, reduce_group,
+                                                     average_over=self.state.dp, **optimizer_kwargs)
             self.reducer = None
         else:
             self.optimizer = optimizer_class(self.params, **optimizer_kwargs)
-            self.reducer = GradReducer(self.params, self.state.dp_group, bucket_bytes, accumulations_per_step, hold)
+            self.reducer = GradReducer(self.params, reduce_group, bucket_bytes, accumulations_per_step, hold,
+                                       average_over=self.state.dp)
         self.param_groups = self.optimizer.param_groups
         self.grad_scaler = grad_scaler
         self.last_grad_norm: Optional[torch.Tensor] = None

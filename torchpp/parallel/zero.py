@@ -11,7 +11,7 @@ included, and its state is 1/dp of the unsharded state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,10 @@ class ZeroRedundancyOptimizer:
     Args:
         params: model parameters, or param-group dicts as for any torch.optim optimizer.
         optimizer_class: e.g. torch.optim.AdamW; must update each parameter independently.
-        dp_group: the data-parallel ProcessGroup.
+        dp_group: the data-parallel ProcessGroup (with context parallelism: the dp x cp group,
+            over which Megatron's distributed optimizer shards too).
+        average_over: the replicas the summed gradients are divided by (default: the group's
+            size; dp over the dp x cp group, whose cp ranks hold parts of one sum).
         **defaults: the optimizer's keyword arguments (lr, weight_decay, ...).
 
     Use as an optimizer: loss.backward(); opt.step(); opt.zero_grad(). step() does the
@@ -82,9 +85,11 @@ class ZeroRedundancyOptimizer:
     before it.
     """
 
-    def __init__(self, params: Iterable, optimizer_class: Callable[..., torch.optim.Optimizer], dp_group, **defaults):
+    def __init__(self, params: Iterable, optimizer_class: Callable[..., torch.optim.Optimizer], dp_group,
+                 average_over: Optional[int] = None, **defaults):
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = dp_group.size(), dist.get_rank(dp_group)
+        self.average_over = average_over or self.dp_size
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -122,7 +127,7 @@ class ZeroRedundancyOptimizer:
         """Each rank receives the DP-average of its shard of the gradients."""
         for flat in self.flat_groups:
             dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=self.dp_group)
-            flat.grad_shard.div_(self.dp_size)
+            flat.grad_shard.div_(self.average_over)
 
     def shard_grads(self) -> List[torch.Tensor]:
         """This rank's reduced gradient shards (after reduce_scatter_grads)."""

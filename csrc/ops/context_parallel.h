@@ -1,0 +1,101 @@
+// Context parallelism: attention over a sequence split across the ranks of a group.
+// Each rank holds its shard of q, k, v ([b, heads, s_local, d]); the shard is one chunk of the
+// sequence (contiguous layout) or two (zigzag: rank r holds chunks r and 2c-1-r of 2c, so that
+// causal attention costs every rank the same). Block results are merged by log-sum-exp, and
+// the backward recomputes each block's probabilities from the merged log-sum-exp (as flash
+// attention does), so only q, k, v, the output and the log-sum-exp are saved.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+#include <c10/util/string_view.h>
+
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
+
+namespace torchpp::cp {
+
+enum class Layout { Contiguous, Zigzag };
+
+Layout parse_layout(c10::string_view layout, const char* op_name);
+
+// Global chunk indices held by `rank` of `world`, in shard order (1 or 2 chunks).
+std::vector<int64_t> chunks_of(int64_t rank, int64_t world, Layout layout);
+
+// Validated sizes of one call. Queries are kept grouped by the key/value head they share:
+// [b, kv_heads, groups * piece, d] per piece, so a block is one batched matmul with no copies
+// of k or v (grouped-query attention).
+struct Shapes {
+  int64_t batch = 0, q_heads = 0, kv_heads = 0, groups = 0, s_local = 0, head_dim = 0;
+  int64_t pieces = 0, piece_len = 0;  // chunks per rank and their length
+  double scale = 0.0;
+  at::ScalarType acc_dtype;  // float for half/bfloat16 inputs, else the input dtype
+};
+
+Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
+                    Layout layout, int64_t group_size, const char* op_name);
+
+// [b, hq, s, ...] -> one grouped tensor per piece, [b, hk, g * n, ...] in the accumulation dtype.
+std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes);
+// The inverse: pieces [b, hk, g * n, ...] -> [b, hq, s, ...] in `dtype`.
+at::Tensor join_queries(const std::vector<at::Tensor>& pieces, const Shapes& shapes, at::ScalarType dtype);
+
+// Which key positions a block of queries may see: `skip` when none, else an optional boolean
+// mask broadcastable to [b, hk, g, sq, sk] (undefined: all).
+struct BlockMask {
+  bool skip = false;
+  at::Tensor allowed;
+};
+
+// Mask for query positions [q_start, q_start + sq) against keys [k_start, k_start + sk) of the
+// global sequence; segment ids ([b, sq], [b, sk], may be undefined) keep packed sequences apart.
+BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal,
+                     const at::Tensor& q_segments, const at::Tensor& k_segments, c10::Device device);
+
+// Softmax attention of grouped queries against one key/value block: (out, lse), lse = -inf
+// (and out = 0) on rows that see no key.
+std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const BlockMask& mask, double scale);
+
+// Folds a block result into running (out, lse) by log-sum-exp.
+void merge_block(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, const at::Tensor& block_lse);
+
+// Adds one block's gradients given the merged lse and delta = rowsum(dout * out).
+void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+                    const at::Tensor& lse, const at::Tensor& delta, const BlockMask& mask, double scale,
+                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
+// Rows of `lse` that saw no key read as 0, so exp(s - lse) is 0 there instead of NaN.
+at::Tensor finite_lse(const at::Tensor& lse);
+
+// A send to `dst` and a receive from `src`, posted together (one NCCL group where the backend
+// coalesces, so a ring of sends cannot deadlock) and awaited by wait().
+class Exchange {
+ public:
+  Exchange() = default;
+  Exchange(c10d::ProcessGroup& group, at::Tensor send, at::Tensor recv, int dst, int src, int tag);
+  // Returns the received tensor.
+  at::Tensor wait();
+  bool pending() const { return !works_.empty(); }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  at::Tensor send_, recv_;
+};
+
+// The group for the op, checked against group_size and the tensor's device.
+c10::intrusive_ptr<c10d::ProcessGroup> cp_group(const at::Tensor& like, const std::string& group_name,
+                                                 int64_t group_size, const char* op_name);
+
+// Every rank's `local` stacked rank-major: [c, *local.shape].
+at::Tensor all_gather_stacked(c10d::ProcessGroup& group, const at::Tensor& local);
+
+}  // namespace torchpp::cp

@@ -1,0 +1,222 @@
+// Shared pieces of context-parallel attention: layouts, input checks, the block attention math
+// (forward with log-sum-exp, merge, flash-style backward) and the ring's paired send/receive.
+#include "ops/context_parallel.h"
+
+#include <cmath>
+#include <limits>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "ops/process_group.h"
+
+namespace torchpp::cp {
+
+Layout parse_layout(c10::string_view layout, const char* op_name) {
+  if (layout == "zigzag") {
+    return Layout::Zigzag;
+  }
+  if (layout == "contiguous") {
+    return Layout::Contiguous;
+  }
+  TORCH_CHECK(false, "torchpp.", op_name, ": layout must be 'zigzag' or 'contiguous', got '", layout, "'");
+}
+
+std::vector<int64_t> chunks_of(int64_t rank, int64_t world, Layout layout) {
+  if (layout == Layout::Contiguous) {
+    return {rank};
+  }
+  return {rank, 2 * world - 1 - rank};
+}
+
+Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
+                    Layout layout, int64_t group_size, const char* op_name) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "torchpp.", op_name,
+              ": query, key and value must be [batch, heads, s_local, head_dim], got shapes ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "torchpp.", op_name, ": key ", k.sizes(), " and value ", v.sizes(),
+              " must have the same shape");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3), "torchpp.", op_name,
+              ": query ", q.sizes(), " and key ", k.sizes(),
+              " must agree in batch, sequence shard length and head_dim");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "torchpp.", op_name, ": query heads ", q.size(1),
+              " must be a multiple of key/value heads ", k.size(1));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  at::isFloatingType(q.scalar_type()),
+              "torchpp.", op_name, ": query, key and value must share one floating dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "torchpp.", op_name,
+              ": query, key and value must be on one device");
+  TORCH_CHECK(group_size > 0, "torchpp.", op_name, ": group_size must be positive, got ", group_size);
+  Shapes shapes;
+  shapes.batch = q.size(0);
+  shapes.q_heads = q.size(1);
+  shapes.kv_heads = k.size(1);
+  shapes.groups = q.size(1) / k.size(1);
+  shapes.s_local = q.size(2);
+  shapes.head_dim = q.size(3);
+  TORCH_CHECK(shapes.s_local > 0, "torchpp.", op_name, ": the sequence shard is empty");
+  shapes.pieces = layout == Layout::Zigzag ? 2 : 1;
+  TORCH_CHECK(shapes.s_local % shapes.pieces == 0, "torchpp.", op_name,
+              ": the zigzag layout cuts the sequence into 2c = ", 2 * group_size,
+              " chunks, so this rank's shard must hold two equal chunks, but it has ", shapes.s_local,
+              " tokens (a sequence of ", shapes.s_local * group_size, " tokens is not divisible by ",
+              2 * group_size, ")");
+  shapes.piece_len = shapes.s_local / shapes.pieces;
+  if (segment_ids.has_value() && segment_ids->defined()) {
+    const auto& seg = *segment_ids;
+    TORCH_CHECK(seg.dim() == 2 && seg.size(0) == shapes.batch && seg.size(1) == shapes.s_local, "torchpp.",
+                op_name, ": segment_ids must be [batch, s_local] = [", shapes.batch, ", ", shapes.s_local, "], got ",
+                seg.sizes());
+    TORCH_CHECK(!at::isFloatingType(seg.scalar_type()) && seg.scalar_type() != at::kBool, "torchpp.", op_name,
+                ": segment_ids must be integers, got ", seg.scalar_type());
+  }
+  shapes.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(shapes.head_dim));
+  const auto dtype = q.scalar_type();
+  shapes.acc_dtype = (dtype == at::kHalf || dtype == at::kBFloat16) ? at::kFloat : dtype;
+  return shapes;
+}
+
+std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes) {
+  auto rest = t.sizes().slice(3).vec();  // head_dim, or nothing for the log-sum-exp
+  std::vector<int64_t> grouped{shapes.batch, shapes.kv_heads, shapes.groups, shapes.s_local};
+  grouped.insert(grouped.end(), rest.begin(), rest.end());
+  auto view = t.reshape(grouped);
+  std::vector<int64_t> folded{shapes.batch, shapes.kv_heads, shapes.groups * shapes.piece_len};
+  folded.insert(folded.end(), rest.begin(), rest.end());
+  std::vector<at::Tensor> pieces;
+  for (int64_t p = 0; p < shapes.pieces; ++p) {
+    pieces.push_back(
+        view.narrow(3, p * shapes.piece_len, shapes.piece_len).to(shapes.acc_dtype).reshape(folded).contiguous());
+  }
+  return pieces;
+}
+
+at::Tensor join_queries(const std::vector<at::Tensor>& pieces, const Shapes& shapes, at::ScalarType dtype) {
+  std::vector<at::Tensor> grouped;
+  for (const auto& piece : pieces) {
+    auto rest = piece.sizes().slice(3).vec();
+    std::vector<int64_t> shape{shapes.batch, shapes.kv_heads, shapes.groups, shapes.piece_len};
+    shape.insert(shape.end(), rest.begin(), rest.end());
+    grouped.push_back(piece.reshape(shape));
+  }
+  auto joined = at::cat(grouped, 3);
+  auto rest = joined.sizes().slice(4).vec();
+  std::vector<int64_t> shape{shapes.batch, shapes.q_heads, shapes.s_local};
+  shape.insert(shape.end(), rest.begin(), rest.end());
+  return joined.reshape(shape).to(dtype).contiguous();
+}
+
+BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal,
+                     const at::Tensor& q_segments, const at::Tensor& k_segments, c10::Device device) {
+  BlockMask mask;
+  if (causal && k_start > q_start + sq - 1) {
+    mask.skip = true;  // every key lies after every query
+    return mask;
+  }
+  if (causal && k_start + sk - 1 > q_start) {
+    auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+    auto q_pos = at::arange(q_start, q_start + sq, opts).view({sq, 1});
+    auto k_pos = at::arange(k_start, k_start + sk, opts).view({1, sk});
+    mask.allowed = k_pos.le(q_pos).view({1, 1, 1, sq, sk});
+  }
+  if (q_segments.defined() && k_segments.defined()) {
+    const int64_t b = q_segments.size(0);
+    auto same = q_segments.view({b, 1, 1, sq, 1}).eq(k_segments.view({b, 1, 1, 1, sk}));
+    mask.allowed = mask.allowed.defined() ? mask.allowed.logical_and(same) : same;
+  }
+  return mask;
+}
+
+at::Tensor finite_lse(const at::Tensor& lse) {
+  return lse.masked_fill(lse.eq(-std::numeric_limits<double>::infinity()), 0);
+}
+
+namespace {
+
+// q k^T * scale with disallowed keys at -inf: [b, hk, g * sq, sk].
+at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, double scale) {
+  auto s = at::matmul(q, k.transpose(-1, -2)).mul_(scale);
+  if (mask.allowed.defined()) {
+    const int64_t sq = mask.allowed.size(-2), sk = s.size(-1);
+    const int64_t groups = s.size(2) / sq;
+    s.view({s.size(0), s.size(1), groups, sq, sk})
+        .masked_fill_(mask.allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  return s;
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const BlockMask& mask, double scale) {
+  auto s = scores(q, k, mask, scale);
+  auto lse = at::logsumexp(s, -1, /*keepdim=*/true);
+  auto probs = s.sub_(finite_lse(lse)).exp_();
+  return {at::matmul(probs, v), lse.squeeze(-1)};
+}
+
+void merge_block(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, const at::Tensor& block_lse) {
+  auto merged = at::logaddexp(lse, block_lse);
+  auto base = finite_lse(merged);
+  auto keep = at::exp(lse - base).unsqueeze(-1);
+  auto take = at::exp(block_lse - base).unsqueeze(-1);
+  out.mul_(keep).add_(block_out * take);
+  lse = merged;
+}
+
+void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+                    const at::Tensor& lse, const at::Tensor& delta, const BlockMask& mask, double scale,
+                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  auto probs = scores(q, k, mask, scale).sub_(finite_lse(lse).unsqueeze(-1)).exp_();
+  dv.add_(at::matmul(probs.transpose(-1, -2), dout));  // sums the query groups of each key head
+  auto ds = at::matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs);
+  dq.add_(at::matmul(ds, k), scale);
+  dk.add_(at::matmul(ds.transpose(-1, -2), q), scale);
+}
+
+Exchange::Exchange(c10d::ProcessGroup& group, at::Tensor send, at::Tensor recv, int dst, int src, int tag)
+    : send_(std::move(send)), recv_(std::move(recv)) {
+  std::vector<at::Tensor> sends{send_}, recvs{recv_};
+  const auto device_type = send_.device().type();
+  if (group.getBackend(device_type)->supportsCoalescing()) {
+    group.startCoalescing(device_type);
+    group.send(sends, dst, tag);
+    group.recv(recvs, src, tag);
+    works_.push_back(group.endCoalescing(device_type));
+  } else {
+    works_.push_back(group.send(sends, dst, tag));
+    works_.push_back(group.recv(recvs, src, tag));
+  }
+}
+
+at::Tensor Exchange::wait() {
+  for (auto& work : works_) {
+    if (work) {
+      work->wait();
+    }
+  }
+  works_.clear();
+  send_ = at::Tensor();
+  return recv_;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> cp_group(const at::Tensor& like, const std::string& group_name,
+                                                 int64_t group_size, const char* op_name) {
+  auto group = resolve_group(group_name);
+  check_group_size(*group, group_name, group_size, op_name);
+  check_device_supported(*group, group_name, like, op_name);
+  return group;
+}
+
+at::Tensor all_gather_stacked(c10d::ProcessGroup& group, const at::Tensor& local) {
+  auto input = local.contiguous().view({-1});  // flat buffers: what every backend accepts
+  auto sizes = local.sizes().vec();
+  sizes.insert(sizes.begin(), group.getSize());
+  auto gathered = at::empty({input.numel() * group.getSize()}, input.options());
+  group.all_gather_single(gathered, input)->wait();
+  return gathered.view(sizes);
+}
+
+}  // namespace torchpp::cp

@@ -1,0 +1,176 @@
+// Ring attention: each rank keeps its queries and passes key/value shards around the ring in
+// c-1 steps, posting the next transfer before computing the current block. The backward
+// passes key/value the same way and the key/value gradients one step behind them; after the
+// last step they arrive back at the shard's owner.
+#include <limits>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/library.h>
+
+#include "ops/context_parallel.h"
+
+namespace torchpp::cp {
+namespace {
+
+constexpr const char* kOp = "ring_attention";
+// Distinct tags keep the key/value and gradient streams apart on backends that match by tag.
+constexpr int kKeyValueTag = 0x6370;
+constexpr int kGradTag = 0x6371;
+
+struct Ring {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  int64_t size = 1, rank = 0;
+  int next() const { return static_cast<int>((rank + 1) % size); }
+  int prev() const { return static_cast<int>((rank + size - 1) % size); }
+  // Whose key/value shard this rank holds at `step`.
+  int64_t source(int64_t step) const { return (rank - step + size) % size; }
+};
+
+// This rank's segment-id pieces and every rank's ([c, b, s_local], gathered once), or undefined.
+at::Tensor gather_segments(Ring& ring, const std::optional<at::Tensor>& segment_ids) {
+  if (!segment_ids.has_value() || !segment_ids->defined()) {
+    return at::Tensor();
+  }
+  return all_gather_stacked(*ring.group, segment_ids->to(at::kLong));
+}
+
+at::Tensor segment_piece(const at::Tensor& segments, int64_t rank, int64_t piece, const Shapes& shapes) {
+  return segments.defined() ? segments[rank].narrow(1, piece * shapes.piece_len, shapes.piece_len) : at::Tensor();
+}
+
+// Calls fn(q_piece, k_piece, mask) for every pair of this rank's query pieces and the source's
+// key pieces that has something to attend to.
+template <class Fn>
+void for_each_block(const Ring& ring, int64_t src, Layout layout, bool causal, const Shapes& shapes,
+                    const at::Tensor& segments, c10::Device device, Fn&& fn) {
+  const auto mine = chunks_of(ring.rank, ring.size, layout);
+  const auto theirs = chunks_of(src, ring.size, layout);
+  const int64_t n = shapes.piece_len;
+  for (int64_t i = 0; i < shapes.pieces; ++i) {
+    for (int64_t j = 0; j < shapes.pieces; ++j) {
+      auto mask = block_mask(mine[i] * n, n, theirs[j] * n, n, causal, segment_piece(segments, ring.rank, i, shapes),
+                             segment_piece(segments, src, j, shapes), device);
+      if (!mask.skip) {
+        fn(i, j, mask);
+      }
+    }
+  }
+}
+
+Ring make_ring(const at::Tensor& like, c10::string_view group_name, int64_t group_size) {
+  Ring ring;
+  ring.group = cp_group(like, std::string(group_name), group_size, kOp);
+  ring.size = group_size;
+  ring.rank = ring.group->getRank();
+  return ring;
+}
+
+std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& segment_ids,
+    c10::string_view group_name, int64_t group_size, bool causal, std::optional<double> scale,
+    c10::string_view layout_name) {
+  const Layout layout = parse_layout(layout_name, kOp);
+  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, kOp);
+  Ring ring = make_ring(q, group_name, group_size);
+  const at::Tensor segments = gather_segments(ring, segment_ids);
+  auto queries = split_queries(q, shapes);
+  std::vector<at::Tensor> outs, lses;
+  for (const auto& piece : queries) {
+    outs.push_back(at::zeros_like(piece));
+    lses.push_back(at::full(piece.sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), piece.options()));
+  }
+  const int64_t n = shapes.piece_len;
+  at::Tensor kv = at::stack({k, v}).contiguous();  // one message per step
+  for (int64_t step = 0; step < ring.size; ++step) {
+    Exchange incoming;
+    if (step + 1 < ring.size) {  // posted before this block's compute, so the two overlap
+      incoming = Exchange(*ring.group, kv, at::empty_like(kv), ring.next(), ring.prev(), kKeyValueTag);
+    }
+    {
+      RECORD_FUNCTION("torchpp::ring_attention::block", std::vector<c10::IValue>());
+      const auto keys = kv[0].to(shapes.acc_dtype), values = kv[1].to(shapes.acc_dtype);
+      for_each_block(ring, ring.source(step), layout, causal, shapes, segments, q.device(),
+                     [&](int64_t i, int64_t j, const BlockMask& mask) {
+                       auto [out, lse] = block_forward(queries[i], keys.narrow(2, j * n, n),
+                                                       values.narrow(2, j * n, n), mask, shapes.scale);
+                       merge_block(outs[i], lses[i], out, lse);
+                     });
+    }
+    if (incoming.pending()) {
+      RECORD_FUNCTION("torchpp::ring_attention::wait", std::vector<c10::IValue>());
+      kv = incoming.wait();
+    }
+  }
+  return {join_queries(outs, shapes, q.scalar_type()), join_queries(lses, shapes, shapes.acc_dtype)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
+    int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout_name) {
+  const Layout layout = parse_layout(layout_name, kOp);
+  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, kOp);
+  Ring ring = make_ring(q, group_name, group_size);
+  const at::Tensor segments = gather_segments(ring, segment_ids);
+  auto queries = split_queries(q, shapes);
+  auto grads = split_queries(grad_out, shapes);
+  auto lses = split_queries(lse, shapes);
+  auto outs = split_queries(out, shapes);
+  std::vector<at::Tensor> deltas, dqs;
+  for (int64_t i = 0; i < shapes.pieces; ++i) {
+    deltas.push_back((grads[i] * outs[i]).sum(-1));  // rowsum(dO * O), as flash attention's backward
+    dqs.push_back(at::zeros_like(queries[i]));
+  }
+  outs.clear();
+  const int64_t n = shapes.piece_len;
+  at::Tensor kv = at::stack({k, v}).contiguous();
+  Exchange incoming, gradients;
+  at::Tensor own_grads;
+  for (int64_t step = 0; step < ring.size; ++step) {
+    if (step + 1 < ring.size) {
+      incoming = Exchange(*ring.group, kv, at::empty_like(kv), ring.next(), ring.prev(), kKeyValueTag);
+    }
+    auto block_grads = at::zeros(kv.sizes(), kv.options().dtype(shapes.acc_dtype));
+    {
+      RECORD_FUNCTION("torchpp::ring_attention::block_backward", std::vector<c10::IValue>());
+      const auto keys = kv[0].to(shapes.acc_dtype), values = kv[1].to(shapes.acc_dtype);
+      for_each_block(ring, ring.source(step), layout, causal, shapes, segments, q.device(),
+                     [&](int64_t i, int64_t j, const BlockMask& mask) {
+                       auto dk = block_grads[0].narrow(2, j * n, n);
+                       auto dv = block_grads[1].narrow(2, j * n, n);
+                       block_backward(queries[i], keys.narrow(2, j * n, n), values.narrow(2, j * n, n), grads[i],
+                                      lses[i], deltas[i], mask, shapes.scale, dqs[i], dk, dv);
+                     });
+    }
+    if (gradients.pending()) {  // the sum so far for this key/value shard, from the previous rank
+      RECORD_FUNCTION("torchpp::ring_attention::wait", std::vector<c10::IValue>());
+      block_grads.add_(gradients.wait());
+    }
+    if (ring.size > 1) {  // after the last step this send delivers the sum to the shard's owner
+      gradients = Exchange(*ring.group, block_grads, at::empty_like(block_grads), ring.next(), ring.prev(), kGradTag);
+    } else {
+      own_grads = block_grads;
+    }
+    if (incoming.pending()) {
+      RECORD_FUNCTION("torchpp::ring_attention::wait", std::vector<c10::IValue>());
+      kv = incoming.wait();
+    }
+  }
+  if (gradients.pending()) {
+    own_grads = gradients.wait();
+  }
+  return {join_queries(dqs, shapes, q.scalar_type()), own_grads[0].to(k.scalar_type()),
+          own_grads[1].to(v.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchpp, CompositeExplicitAutograd, m) {
+  m.impl("ring_attention_forward", TORCH_FN(ring_attention_forward));
+  m.impl("ring_attention_backward", TORCH_FN(ring_attention_backward));
+}
+
+}  // namespace torchpp::cp

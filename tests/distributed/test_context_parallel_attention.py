@@ -1,0 +1,106 @@
+"""Context-parallel attention (torch.ops.torchpp.ring_attention / all_gather_attention) on spawned
+gloo ranks: each rank's output and its q, k, v gradients equal its shard of full-sequence SDPA
+(fp64, 1e-10), at cp=2 and cp=4, causal and full, both modes, both layouts, grouped-query
+attention and packed sequences; bad lengths, layouts and modes raise naming the values."""
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torchpp.context_parallel import attention, sequence_positions, shard_sequence, unshard_sequence
+
+TOL = 1e-10
+BATCH, HEADS, HEAD_DIM = 2, 4, 8
+
+
+def _inputs(seq_len: int, kv_heads: int):
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(BATCH, HEADS, seq_len, HEAD_DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(BATCH, kv_heads, seq_len, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(BATCH, kv_heads, seq_len, HEAD_DIM, generator=g, dtype=torch.float64)
+    grad = torch.randn(BATCH, HEADS, seq_len, HEAD_DIM, generator=g, dtype=torch.float64)
+    return q, k, v, grad
+
+
+def _segments(seq_len: int) -> torch.Tensor:
+    """Packed rows: sequences of uneven lengths whose boundaries fall inside chunks and across them."""
+    cuts = [[3, 7, seq_len - 2], [seq_len // 2 + 1]]
+    rows = []
+    for row in cuts:
+        ids = torch.zeros(seq_len, dtype=torch.long)
+        for cut in row:
+            ids[cut:] += 1
+        rows.append(ids)
+    return torch.stack(rows)
+
+
+def _reference(q, k, v, grad, causal, segments):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = None
+    if segments is not None:
+        mask = segments[:, None, :, None] == segments[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(q.size(2), q.size(2), dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=True)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+
+
+def _check_case(seq_len, kv_heads, mode, layout, causal, packed):
+    group = dist.group.WORLD
+    q, k, v, grad = _inputs(seq_len, kv_heads)
+    segments = _segments(seq_len) if packed else None
+    expected = _reference(q, k, v, grad, causal, segments)
+    shard = lambda t: shard_sequence(t, group, dim=2, layout=layout)  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    local_segments = shard_sequence(segments, group, dim=1, layout=layout) if packed else None
+    out = attention(ql, kl, vl, group, causal=causal, mode=mode, layout=layout, segment_ids=local_segments)
+    got = (out.detach(), *torch.autograd.grad(out, (ql, kl, vl), shard(grad)))
+    for name, mine, full in zip(("output", "dq", "dk", "dv"), got, expected):
+        error = (mine - shard(full)).abs().max().item()
+        assert error < TOL, f"{mode} {layout} causal={causal} packed={packed} kv_heads={kv_heads}: {name} off by {error}"
+    assert (unshard_sequence(out.detach(), group, dim=2, layout=layout) - expected[0]).abs().max().item() < TOL
+
+
+def check_all_cases(seq_len):
+    for mode, layout, causal in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"), (True, False)):
+        _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False)
+    for mode, causal in itertools.product(("ring", "all-gather"), (True, False)):
+        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=causal, packed=True)  # MQA, packed
+    _check_case(seq_len, kv_heads=HEADS, mode="ring", layout="contiguous", causal=True, packed=True)
+    return True
+
+
+def check_errors():
+    group = dist.group.WORLD
+    c = group.size()
+    with pytest.raises(ValueError, match=rf"cuts the sequence into 2c = {2 * c} .* its length 6 is not divisible by 4"):
+        shard_sequence(torch.zeros(1, 6), group, layout="zigzag")
+    with pytest.raises(ValueError, match="length 5 is not divisible by 2"):
+        shard_sequence(torch.zeros(1, 5), group, layout="contiguous")
+    with pytest.raises(ValueError, match="length 6 is not divisible by 4"):
+        sequence_positions(6, group)
+    q = torch.zeros(1, 2, 3, 4, dtype=torch.float64)  # an odd zigzag shard
+    for mode in ("ring", "all-gather"):
+        with pytest.raises(RuntimeError, match=r"2c = 4 chunks.* has 3 tokens \(a sequence of 6 tokens"):
+            attention(q, q, q, group, mode=mode)
+    with pytest.raises(RuntimeError, match="query heads 3 must be a multiple of key/value heads 2"):
+        attention(torch.zeros(1, 3, 4, 4), torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), group)
+    with pytest.raises(RuntimeError, match=r"segment_ids must be \[batch, s_local\] = \[1, 4\]"):
+        attention(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), group,
+                  segment_ids=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="mode must be one of .* got 'ulysses'"):
+        attention(q, q, q, group, mode="ulysses")
+    with pytest.raises(ValueError, match="layout must be one of .* got 'striped'"):
+        attention(q, q, q, group, layout="striped")
+    return True
+
+
+def test_bad_lengths_and_names_raise(ranks):
+    assert ranks(2).run(check_errors) == [True, True]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_equals_full_sequence_sdpa(ranks, cp):
+    assert ranks(cp).run(check_all_cases, 4 * cp) == [True] * cp

@@ -1,0 +1,166 @@
+"""Context parallelism: the sequence split over the ranks of a group, attention exchanging keys/values.
+
+Each of c ranks holds a shard of every sequence. With the "zigzag" layout the sequence is cut
+into 2c chunks and rank r holds chunks r and 2c-1-r, so causal attention costs every rank the
+same; "contiguous" gives rank r the r-th of c chunks. ``attention`` runs on this rank's shard:
+``mode="ring"`` passes key/value shards around the ring (the next transfer overlapping the
+current block's compute), ``mode="all-gather"`` gathers them once. Block results merge by
+log-sum-exp; the backward passes key/value gradients around the ring (or reduce-scatters them).
+
+| function            | what                                                        |
+|---------------------|-------------------------------------------------------------|
+| shard_sequence      | this rank's shard of a full-sequence tensor (no communication) |
+| unshard_sequence    | all-gather of the shards, back in sequence order            |
+| attention           | softmax attention of this rank's queries to the whole sequence |
+| sequence_positions  | the global positions this rank's shard holds                |
+
+``torchpp.context_parallel.hf`` wires this into transformers models.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+import torchpp  # noqa: F401  (registers torch.ops.torchpp)
+from torchpp.ops import GroupLike, gather_from_tp_region, group_of
+
+LAYOUTS = ("zigzag", "contiguous")
+MODES = ("ring", "all-gather")
+
+__all__ = ["LAYOUTS", "MODES", "attention", "chunk_indices", "sequence_positions", "shard_sequence",
+           "unshard_sequence"]
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"torchpp.context_parallel: layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def chunk_indices(rank: int, size: int, layout: str = "zigzag") -> List[int]:
+    """The chunks of the sequence that ``rank`` of ``size`` holds, in shard order: [r] of c chunks
+    (contiguous) or [r, 2c-1-r] of 2c (zigzag)."""
+    _check_layout(layout)
+    return [rank] if layout == "contiguous" else [rank, 2 * size - 1 - rank]
+
+
+def _num_chunks(size: int, layout: str) -> int:
+    return size if layout == "contiguous" else 2 * size
+
+
+def _chunk_length(seq_len: int, size: int, layout: str) -> int:
+    chunks = _num_chunks(size, layout)
+    if seq_len % chunks:
+        cut = "2c" if layout == "zigzag" else "c"
+        raise ValueError(f"torchpp.context_parallel: the {layout} layout cuts the sequence into {cut} = {chunks} "
+                         f"equal chunks (c = {size} ranks), but its length {seq_len} is not divisible by {chunks}")
+    return seq_len // chunks
+
+
+def sequence_positions(seq_len: int, group: GroupLike = None, layout: str = "zigzag",
+                       device: Optional[torch.device] = None) -> torch.Tensor:
+    """The global positions (0 .. seq_len-1) of the tokens this rank's shard holds, in shard order.
+
+    Args:
+        seq_len: the full sequence length.
+        group: the context-parallel group (ProcessGroup, name, or None for the world).
+        layout: "zigzag" or "contiguous".
+        device: where to create the tensor.
+    """
+    group = group_of(group)
+    n = _chunk_length(seq_len, group.size(), layout)
+    chunks = chunk_indices(group.rank(), group.size(), layout)
+    return torch.cat([torch.arange(c * n, (c + 1) * n, device=device) for c in chunks])
+
+
+def shard_sequence(x: torch.Tensor, group: GroupLike = None, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of ``x`` along its sequence dimension ``dim`` (every rank holds all of x).
+
+    No communication; differentiable (the gradient of x is zero outside this rank's chunks).
+
+    Args:
+        x: a full-sequence tensor, e.g. token ids [b, s] or hidden states [b, s, h].
+        group: the context-parallel group (ProcessGroup, name, or None for the world).
+        dim: the sequence dimension.
+        layout: "zigzag" (rank r keeps chunks r and 2c-1-r of 2c) or "contiguous" (chunk r of c).
+
+    Raises:
+        ValueError: when the sequence length is not divisible by 2c (zigzag) or c (contiguous).
+    """
+    group = group_of(group)
+    n = _chunk_length(x.size(dim), group.size(), layout)
+    chunks = chunk_indices(group.rank(), group.size(), layout)
+    return torch.cat([x.narrow(dim, c * n, n) for c in chunks], dim=dim)
+
+
+def unshard_sequence(x: torch.Tensor, group: GroupLike = None, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """The full sequence from every rank's shard ``x`` (all-gather along ``dim``, put back in order).
+
+    Differentiable as Megatron's gather: the backward keeps this rank's part of the gradient.
+
+    Args:
+        x: this rank's shard (as shard_sequence returns it, or a model's output on it).
+        group: the context-parallel group.
+        dim: the sequence dimension.
+        layout: the layout the shard was taken with.
+    """
+    _check_layout(layout)
+    group = group_of(group)
+    size = group.size()
+    dim = dim % x.dim()
+    pieces = len(chunk_indices(0, size, layout))
+    if x.size(dim) % pieces:
+        raise ValueError(f"torchpp.context_parallel: a {layout} shard holds {pieces} equal chunks, but its length "
+                         f"{x.size(dim)} along dim {dim} is odd")
+    gathered = gather_from_tp_region(x, group, dim) if size > 1 else x  # rank-major shards
+    n = x.size(dim) // pieces
+    order = [0] * _num_chunks(size, layout)
+    for rank in range(size):
+        for piece, chunk in enumerate(chunk_indices(rank, size, layout)):
+            order[chunk] = rank * pieces + piece
+    return torch.cat([gathered.narrow(dim, i * n, n) for i in order], dim=dim)
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    group: GroupLike = None,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    mode: str = "ring",
+    layout: str = "zigzag",
+    segment_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Softmax attention of this rank's query shard to the whole (sharded) sequence.
+
+    Equals ``torch.nn.functional.scaled_dot_product_attention`` on the full sequence, restricted
+    to this rank's queries (``shard_sequence`` of its output), in value and gradients.
+
+    Args:
+        query: [b, heads, s_local, d], this rank's shard.
+        key: [b, kv_heads, s_local, d]; heads must be a multiple of kv_heads (grouped-query
+            attention: query head j uses key head j // (heads / kv_heads)).
+        value: like key.
+        group: the context-parallel group (ProcessGroup, name, or None for the world).
+        causal: each token sees the tokens at or before its global position.
+        scale: score scale; default 1/sqrt(d).
+        mode: "ring" (key/value shards passed around the ring, transfers overlapping compute) or
+            "all-gather" (gathered once; simpler, c times the key/value memory).
+        layout: how the sequence was sharded: "zigzag" or "contiguous".
+        segment_ids: [b, s_local] integer ids of this rank's tokens; tokens attend only to tokens
+            of the same id (packed sequences). None: one sequence per row.
+
+    Returns:
+        [b, heads, s_local, d], this rank's shard of the output.
+    """
+    _check_layout(layout)
+    group = group_of(group)
+    if mode == "ring":
+        op = torch.ops.torchpp.ring_attention
+    elif mode == "all-gather":
+        op = torch.ops.torchpp.all_gather_attention
+    else:
+        raise ValueError(f"torchpp.context_parallel.attention: mode must be one of {MODES}, got {mode!r}")
+    return op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout)
