@@ -31,6 +31,7 @@ def _ops_taking_a_group():
     return found
 
 
+_QKV = (torch.ones(1, 2, 4, 4), torch.ones(1, 2, 4, 4), torch.ones(1, 2, 4, 4))
 # How to call each op with the unknown group: (args before the name, args after it).
 UNKNOWN_GROUP_CALLS = {
     "copy_to_tp_region": ((torch.ones(4, 8),), ()),
@@ -42,6 +43,14 @@ UNKNOWN_GROUP_CALLS = {
     "reduce_scatter_to_sp_region": ((torch.ones(4, 8),), (2, 0)),
     # A slice that needs no all-gather (tp_size 1) must still name the bad group.
     "pp_gather_slices": ((torch.ones(8), [8]), (1,)),
+    # Context-parallel attention on a [b, heads, s_local, d] shard (and its halves).
+    "ring_attention": ((*_QKV, None), (2,)),
+    "all_gather_attention": ((*_QKV, None), (2,)),
+    "ring_attention_forward": ((*_QKV, None), (2, True, None, "zigzag")),
+    "all_gather_attention_forward": ((*_QKV, None), (2, True, None, "zigzag")),
+    "ring_attention_backward": ((_QKV[0], *_QKV, _QKV[0], torch.zeros(1, 2, 4), None), (2, True, None, "zigzag")),
+    "all_gather_attention_backward": ((_QKV[0], *_QKV, _QKV[0], torch.zeros(1, 2, 4), None),
+                                      (2, True, None, "zigzag")),
 }
 
 
