@@ -21,6 +21,7 @@ and its timeline picture go to --out. The same script runs on GPUs (NCCL) unchan
 """
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -29,11 +30,10 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import torchpp
-from torchpp import schedule as S
 from torchpp.models import load_hf_weights, parallelize, save_hf_checkpoint
 from torchpp.parallel import DistributedOptimizer, GradScaler
 from torchpp.pipeline import export_chrome_trace, plot_timeline
-from torchpp.pipeline.trace import gather_runs, measured_simulation
+from torchpp.pipeline.trace import gather_runs, measured_costs, measured_simulation, predicted_simulation
 from torchpp.tensor_parallel import model_parallel_manual_seed
 
 
@@ -123,7 +123,10 @@ def main():
               f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} bf16={args.bf16} "
               f"fp16={args.fp16} post_validate={args.post_validate} "
               f"params/rank={sum(p.numel() for p in model.parameters())}", flush=True)
-    bar = tqdm(range(1, args.steps + 1), disable=rank != 0, desc="train", unit="step")
+    # Bar and per-step lines share stdout (the lines go through the bar's write, which clears and
+    # redraws it); when stdout is not a terminal (a log, a pipe) the lines alone are printed.
+    bar = tqdm(range(1, args.steps + 1), disable=rank != 0 or not sys.stdout.isatty(), desc="train", unit="step",
+               file=sys.stdout)
     reruns = 0
     for step in bar:
         start = time.perf_counter()
@@ -148,8 +151,9 @@ def main():
             elif args.fp16 and optimizer.last_step_skipped:
                 extra += " (skipped)"
             grad_norm = "pending" if norm is None else f"{norm.item():.3f}"
-            tqdm.write(f"step {step:3d}  loss {value:.4f}  grad-norm {grad_norm}{extra}  "
-                       f"tokens/s {tokens_per_s:7.0f}")
+            bar.write(f"step {step:3d}  loss {value:.4f}  grad-norm {grad_norm}{extra}  "
+                      f"tokens/s {tokens_per_s:7.0f}", file=sys.stdout)
+            sys.stdout.flush()
     if args.post_validate:
         optimizer.flush()  # settles the last update
     if args.save_hf:
@@ -164,10 +168,12 @@ def main():
         runs = gather_runs(model.schedule)
         if rank == 0:
             measured = measured_simulation(model.schedule, runs)
-            sch = model.schedule.schedule
-            predicted = S.simulate(sch, f=1.0, i=1.0, w=1.0).bubble_ratio
-            print(f"measured bubble ratio (last step) {measured.bubble_ratio:.3f}; simulator at F=I=W "
-                  f"{predicted:.3f}; peak live activations per pp rank {measured.peak_activations}")
+            costs = measured_costs(measured)
+            predicted = predicted_simulation(measured).bubble_ratio
+            stages = ", ".join(f"F {f:.2f} I {i:.2f} W {w:.2f}" for f, i, w in zip(costs["f"], costs["i"], costs["w"]))
+            print(f"measured bubble ratio (last step) {measured.bubble_ratio:.3f}; simulator from the measured "
+                  f"per-stage costs {predicted:.3f} (ms per stage: {stages}; no transfer latency); peak live "
+                  f"activations per pp rank {measured.peak_activations}")
             print(f"wrote {trace} and {picture}")
     dist.destroy_process_group()
 

@@ -74,8 +74,10 @@ def save_checkpoint(
 
     Collective: every rank of the world calls it with its own model part. Files are written
     to `root/step_{step}.tmp`; after all ranks finished, rank 0 renames the directory and
-    points `root/latest` at it. An error or crash before that leaves the previous checkpoint
-    as `latest`. `root` must be one directory all ranks see (a shared file system).
+    points `root/latest` at it. An error or crash before the rename leaves the previous
+    checkpoint as the latest; one after it leaves the new one, complete, which loading adopts.
+    A `step_{step}` newer than the one `latest` names (an interrupted save's) is replaced.
+    `root` must be one directory all ranks see (a shared file system).
 
     Args:
         root: directory of checkpoints.
@@ -134,7 +136,10 @@ def load_checkpoint(
         optimizer: a torch.optim optimizer, ZeroRedundancyOptimizer or DistributedOptimizer over
             `model`; its state
             is replaced by the saved one (parameters without saved state keep none).
-        step: which step to load; default: the one `root/latest` names.
+        step: which step to load; default: the latest (the one `root/latest` names, or a newer
+            complete step directory that a save which died before replacing `latest` left:
+            see latest_checkpoint). A step that does not exist raises FileNotFoundError naming
+            the steps that do; an incomplete directory raises IncompleteCheckpointError.
         state: the parallel layout (default: the one from torchpp.init_parallel).
         grad_scaler: the fp16 loss scaler to restore (default: the optimizer's, if it is a
             DistributedOptimizer with one); a checkpoint saved without one leaves it as is, with
@@ -144,9 +149,8 @@ def load_checkpoint(
         A LoadedCheckpoint with the step, the `extra` object and whether RNG was restored.
     """
     state = state or get_parallel_state()
-    path = directory.step_dir(root, step) if step is not None else directory.latest_checkpoint(root)
-    if path is None:
-        raise FileNotFoundError(f"torchpp.checkpoint: no committed checkpoint in {root} (no 'latest' file)")
+    # Rank 0 chooses (and checks complete), so every rank reads the same directory or raises the same error.
+    path = directory.on_rank0(lambda: directory.checkpoint_to_load(root, step), keep_type=True)
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
     params = named_parameters(model)

@@ -1,44 +1,171 @@
-"""Checkpoint directories that are committed atomically.
+"""Checkpoint directories that are committed atomically, and found again after any crash.
 
 A save writes `root/step_N.tmp/`; only once every rank has finished does rank 0 rename it to
 `root/step_N/` and replace `root/latest` (a file naming the directory) with os.replace. A
-save that dies at any point before that leaves `latest` naming the previous, complete
-checkpoint; a stale `.tmp` directory is deleted by the next save of that step. A committed
-step is never overwritten.
+save that dies before the rename leaves `latest` naming the previous, complete checkpoint; a
+stale `.tmp` directory is deleted by the next save of that step. A save that dies between
+the rename and the replacement of `latest` leaves a complete `step_N` that `latest` does not
+name: the latest checkpoint is then that newer directory (it is adopted); one that is not
+complete after all (files lost or truncated) is refused, with the reason, and replaced by
+the next save of step N. A committed step (the one `latest` names, or an older one) is never
+overwritten.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
+METADATA = ".metadata"  # DCP's index of the checkpoint's files, written after all of them
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+class IncompleteCheckpointError(FileNotFoundError):
+    """A step directory whose DCP index or files are missing or truncated."""
 
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step}")
 
 
+def step_dirs(root: str) -> Dict[int, str]:
+    """step -> `root/step_N` for every step directory in `root`, complete or not (no `.tmp`)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        match = _STEP.match(name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            found[int(match.group(1))] = os.path.join(root, name)
+    return found
+
+
+def incomplete_reason(path: str) -> Optional[str]:
+    """Why `path` is not a complete checkpoint (DCP's index missing or unreadable, a file it
+    lists missing or shorter than the index says), or None when it is complete."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(path, METADATA)):
+        return f"it has no {METADATA} (DCP's index, written after every rank's files)"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:  # noqa: BLE001 (a truncated pickle raises anything)
+        return f"its {METADATA} cannot be read ({type(error).__name__}: {error})"
+    needed: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"its file {name} is missing"
+        if os.path.getsize(file) < size:
+            return f"its file {name} holds {os.path.getsize(file)} bytes, the index needs {size}"
+    return None
+
+
+def _named_by_latest(root: str) -> Optional[str]:
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _step_of(name: Optional[str]) -> int:
+    match = _STEP.match(name) if name else None
+    return int(match.group(1)) if match else -1
+
+
+def resolve_latest(root: str) -> Tuple[Optional[str], List[str]]:
+    """(the latest checkpoint of `root` or None, notes on the newer step directories refused).
+
+    The newest complete step directory newer than the one `latest` names (left by a commit
+    that died before replacing `latest`: adopted), else the one `latest` names."""
+    name = _named_by_latest(root)
+    named_step = _step_of(name)
+    notes = []
+    for step, path in sorted(step_dirs(root).items(), reverse=True):
+        if step <= named_step:
+            break
+        reason = incomplete_reason(path)
+        if reason is None:
+            return path, notes
+        notes.append(f"{path} is not a complete checkpoint ({reason}), so it is not loaded ("
+                     + (f"latest names {name}" if name else "no 'latest' file") + f"); saving step {step} replaces it")
+    return (os.path.join(root, name) if name else None), notes
+
+
 def latest_checkpoint(root: str) -> Optional[str]:
-    """The directory `root/latest` names, or None when nothing was committed yet.
+    """The latest complete checkpoint of `root`, or None when there is none.
+
+    That is the directory `root/latest` names, unless a newer complete `step_N` exists, left
+    by a save that died between renaming it and replacing `latest`: that one is adopted.
 
     Args:
         root: the directory holding step_N checkpoints.
     """
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    return os.path.join(root, name)
+    return resolve_latest(root)[0]
+
+
+def _existing(root: str) -> str:
+    steps = sorted(step_dirs(root))
+    return (f"step directories: {steps if steps else 'none'}; latest names "
+            + (_named_by_latest(root) or "nothing (no 'latest' file)"))
+
+
+def checkpoint_to_load(root: str, step: Optional[int]) -> str:
+    """The directory to load: `step`'s, else the latest (see latest_checkpoint). Raises
+    FileNotFoundError naming what exists when there is none, IncompleteCheckpointError saying
+    what is missing when it is not complete; warns about newer directories it refused."""
+    if step is None:
+        path, notes = resolve_latest(root)
+        for note in notes:
+            warnings.warn(f"torchpp.checkpoint: {note}", stacklevel=3)
+        if path is None:
+            raise FileNotFoundError(f"torchpp.checkpoint: no committed checkpoint in {root} (no 'latest' file; "
+                                    f"{_existing(root)})")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"torchpp.checkpoint: {root}/latest names {os.path.basename(path)}, which does "
+                                    f"not exist; {_existing(root)}")
+    else:
+        path = step_dir(root, step)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"torchpp.checkpoint: no checkpoint for step {step} in {root}; {_existing(root)}")
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise IncompleteCheckpointError(f"torchpp.checkpoint: {path} is not a complete checkpoint: {reason}; "
+                                        f"{_existing(root)}")
+    return path
 
 
 def prepare(root: str, step: int) -> str:
-    """Creates an empty `step_N.tmp` (removing a crashed save's leftovers); returns its path."""
-    return prepare_directory(step_dir(root, step), "save each step once")
+    """Creates an empty `step_N.tmp` (removing a crashed save's leftovers); returns its path.
+
+    An existing `step_N` newer than the step `latest` names was left by a save that died
+    before its commit finished: it is replaced (renamed to the `.tmp` name first, so that no
+    crash leaves a partial `step_N`). The one `latest` names, or an older one, is never."""
+    final = step_dir(root, step)
+    if os.path.exists(final):
+        name = _named_by_latest(root)
+        if _step_of(name) >= step:
+            raise FileExistsError(f"torchpp.checkpoint: {final} already exists and is committed (latest names "
+                                  f"{name}); save each step once, or into another root")
+        warnings.warn(f"torchpp.checkpoint: replacing {final}, left by a save that died before its commit finished "
+                      f"(latest names {name or 'nothing'})", stacklevel=2)
+        tmp = final + TMP_SUFFIX
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.rename(final, tmp)
+        _fsync_dir(root)
+    return prepare_directory(final, "save each step once")
 
 
 def prepare_directory(final: str, hint: str = "choose a new directory") -> str:
@@ -60,17 +187,21 @@ def commit_directory(final: str) -> str:
     return final
 
 
-def on_rank0(fn: Callable[[], Any]) -> Any:
-    """Runs fn on global rank 0 and returns its result on every rank; its error raises everywhere."""
+def on_rank0(fn: Callable[[], Any], keep_type: bool = False) -> Any:
+    """Runs fn on global rank 0 and returns its result on every rank; its error raises everywhere
+    (as a RuntimeError saying rank 0 failed, or with keep_type, as an error of its own type)."""
     box = [None, None]
     if dist.get_rank() == 0:
         try:
             box[0] = fn()
         except Exception as error:  # noqa: BLE001 (re-raised on every rank below)
-            box[1] = f"{type(error).__name__}: {error}"
+            box[1] = (type(error), str(error))
     dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
-        raise RuntimeError(f"torchpp.checkpoint: rank 0 failed: {box[1]}")
+        kind, text = box[1]
+        if keep_type:
+            raise kind(text)
+        raise RuntimeError(f"torchpp.checkpoint: rank 0 failed: {kind.__name__}: {text}")
     return box[0]
 
 

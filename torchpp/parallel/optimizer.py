@@ -3,7 +3,9 @@
 step() finishes the data-parallel gradient reduction (bucketed all-reduce that started during
 backward, or ZeRO-1's reduce-scatter), unscales fp16 loss-scaled gradients, clips by the global
 norm over dp x pp x tp, runs the wrapped torch.optim optimizer (or, with an inf or NaN on any
-rank, skips it on every rank), and (ZeRO-1) all-gathers the updated parameters.
+rank, skips it on every rank), and (ZeRO-1) all-gathers the updated parameters. Without a loss
+scaler the global norm is the inf/NaN check (torchpp/parallel/nonfinite.py): consecutive skips
+end in NonFiniteGradientError naming the parameter and rank where the bad value appeared.
 """
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from torchpp.parallel.clip import clip_coefficient, clip_grad_norm_, clip_grads_, local_squared_norm, norm_inputs
+from torchpp.parallel.clip import (clip_coefficient, clip_grad_norm_, clip_grads_, global_grad_norm,
+                                   local_squared_norm, norm_inputs)
 from torchpp.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.groups import ParallelState, get_parallel_state
+from torchpp.parallel.nonfinite import DEFAULT_SKIP_LIMIT, SkipCounter, locate_nonfinite, parameter_names
 from torchpp.parallel.post_validation import BackupBuffers, SpeculativeStep
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
@@ -23,7 +27,8 @@ class DistributedOptimizer:
     """A torch.optim optimizer over this rank's parameters, data parallel over ``state.dp_group``.
 
     Args:
-        params: this rank's parameters (all its pipeline stages).
+        params: this rank's parameters (all its pipeline stages), or (name, parameter) pairs
+            such as ``model.named_parameters()``: the non-finite guard's error names them.
         optimizer_class: e.g. torch.optim.AdamW.
         state: the ParallelState (default: get_parallel_state()).
         zero: shard the optimizer state over dp (ZeRO-1) instead of all-reducing gradients.
@@ -45,6 +50,13 @@ class DistributedOptimizer:
             assume no overflow, and an overflow found later undoes the update (the skip),
             backs the scale off and sets ``rerun`` (and ``last_step_skipped``, which then
             describes the update that step() or flush() settled).
+            Without a scaler, a non-finite norm found by flush() undoes the update the same way.
+        skip_limit: without an (enabled) grad_scaler, a step whose global gradient norm is inf
+            or NaN is skipped on every rank (``last_step_skipped``; the norm is computed, with
+            one scalar all-reduce, even without max_norm); this many consecutive skips raise
+            NonFiniteGradientError on every rank, naming the first parameter and global rank
+            whose gradient held the inf or NaN. None: skip without ever raising. (With a
+            scaler, skips back the loss scale off and never raise.)
         **optimizer_kwargs: passed to optimizer_class (lr, weight_decay, ...).
 
     Call zero_grad() before a step's backward passes and step() after them.
@@ -63,6 +75,7 @@ class DistributedOptimizer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         grad_scaler: Optional[GradScaler] = None,
         post_validate: bool = False,
+        skip_limit: Optional[int] = DEFAULT_SKIP_LIMIT,
         **optimizer_kwargs,
     ):
         if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
@@ -73,7 +86,11 @@ class DistributedOptimizer:
         if post_validate and max_norm is None:
             raise ValueError("DistributedOptimizer: post_validate=True validates clipping and needs max_norm")
         self.state = state or get_parallel_state()
-        self.params = [p for p in params if p.requires_grad]
+        named = [item if isinstance(item, tuple) else (None, item) for item in params]
+        named = [(name, p) for name, p in named if p.requires_grad]
+        self.params = [p for _, p in named]
+        self._names = parameter_names(self.params, [name for name, _ in named])
+        self._skips = SkipCounter(skip_limit)
         self.max_norm = max_norm
         self.zero = zero
         if zero:
@@ -100,12 +117,28 @@ class DistributedOptimizer:
     def _active_scaler(self) -> Optional[GradScaler]:
         return self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
 
+    @property
+    def consecutive_skips(self) -> int:
+        """Steps skipped in a row for a non-finite gradient norm (no grad scaler), up to now."""
+        return self._skips.consecutive
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient norm (no grad scaler) since construction."""
+        return self._skips.total
+
+    def _locate(self, pairs, group, norm):
+        # Without ZeRO the norm spans one replica; the data-parallel group makes the report the run's.
+        dp_group = None if self.zero else self.state.dp_group
+        return locate_nonfinite(pairs, self._names, [group, dp_group], norm)
+
     def zero_grad(self) -> None:
         (self.optimizer if self.zero else self.reducer).zero_grad()
 
     def step(self) -> Optional[torch.Tensor]:
         """Reduces gradients over dp, unscales, clips, updates; returns the global gradient norm
-        when clipping (not finite when the grad scaler skipped the step: see last_step_skipped)."""
+        (with a grad scaler, only when clipping). A norm that is not finite means the update was
+        skipped on every rank (see last_step_skipped and skip_limit)."""
         if self.zero:
             self.optimizer.reduce_scatter_grads()
         else:
@@ -113,21 +146,29 @@ class DistributedOptimizer:
         if self.post_validate:
             return self._speculative_step()
         scaler = self._active_scaler()
+        step_kwargs = {"grads_reduced": True} if self.zero else {}
         if scaler is not None:
             scaler.unscale_(self.optimizer)  # ZeRO's param_groups hold this rank's gradient shards
-        norm = None
-        if self.max_norm is not None:
-            norm = clip_grad_norm_(self.params, self.max_norm, state=self.state,
-                                   zero_optimizer=self.optimizer if self.zero else None)
-        step_kwargs = {"grads_reduced": True} if self.zero else {}
-        if scaler is None:
-            self.optimizer.step(**step_kwargs)
-            self.last_step_skipped = False
-        else:
+            norm = None
+            if self.max_norm is not None:
+                norm = clip_grad_norm_(self.params, self.max_norm, state=self.state,
+                                       zero_optimizer=self.optimizer if self.zero else None)
             scaler.step(self.optimizer, **step_kwargs)  # skipped on every rank alike
             self.last_step_skipped = scaler.found_inf(self.optimizer)
             scaler.update()
+            self.last_grad_norm = norm
+            return norm
+        pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
+        norm = global_grad_norm(pairs, self.state.tp_rank, group)  # all-reduced: one verdict for all ranks
         self.last_grad_norm = norm
+        self.last_step_skipped = not bool(torch.isfinite(norm))
+        if self.last_step_skipped:  # nothing updated, nothing gathered (ZeRO): every rank keeps its parameters
+            self._skips.skipped(self._locate(pairs, group, norm))
+            return norm
+        if self.max_norm is not None:
+            clip_grads_([grad for grad, _ in pairs], norm, self.max_norm)
+        self.optimizer.step(**step_kwargs)
+        self._skips.passed()
         return norm
 
     def _speculative_step(self) -> Optional[torch.Tensor]:
@@ -150,8 +191,10 @@ class DistributedOptimizer:
     def flush(self) -> bool:
         """post_validate: checks the pending speculative update against the global norm and the
         inf/NaN check (waiting for their all-reduces); if it should have been clipped, redoes it
-        clipped, and if it should have been skipped, undoes it and backs the scale off. Call it
-        before evaluating, saving or stopping. Returns whether the update was redone or undone."""
+        clipped, and if it should have been skipped (an overflow under the grad scaler, which
+        then backs off; without one, a non-finite norm, counted against skip_limit), undoes it.
+        Call it before evaluating, saving or stopping. Returns whether the update was redone or
+        undone."""
         pending, self._speculative = self._speculative, None
         if pending is None:
             return False
@@ -164,6 +207,17 @@ class DistributedOptimizer:
                 self.optimizer.all_gather_params()  # the other shards' rewound values
             pending.back_off_scale()
             return True
+        if pending.grad_scaler is None and not bool(torch.isfinite(norm)):  # the non-finite guard's skip
+            current_grads = pending.rewind(self._torch_optimizer)  # the skipped step's gradients are back
+            pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
+            report = self._locate(pairs, group, norm)
+            pending.restore_grads(current_grads)
+            if self.zero:
+                self.optimizer.all_gather_params()
+            self.last_step_skipped = True
+            self._skips.skipped(report)
+            return True
+        self._skips.passed()
         if clip_coefficient(norm, self.max_norm).item() == 1.0:
             return False
         optimizer = self._torch_optimizer

@@ -3,8 +3,9 @@ simulator's trace format, written by the same C++ writer) and a timeline picture
 from __future__ import annotations
 
 import re
+import statistics
 from types import SimpleNamespace
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -115,6 +116,36 @@ def measured_simulation(sched, runs: List[dict]) -> SimpleNamespace:
     )
 
 
+def measured_costs(sim: SimpleNamespace) -> Dict[str, List[float]]:
+    """Each stage's median F, I and W time (ms) in a measured run (``measured_simulation``), as
+    ``simulate``'s per-stage ``f``, ``i``, ``w``. A stage whose backward ran fused (B) only
+    gets I = B, W = 0 (the simulator's B costs I + W). The last stage's F includes the loss."""
+    spans: Dict[tuple, List[float]] = {}
+    for line in sim.timeline:
+        for _action, kind, stage, _mb, start, end in line:
+            spans.setdefault((kind, stage), []).append(end - start)
+
+    def median(kind, stage):
+        return statistics.median(spans[kind, stage]) if (kind, stage) in spans else 0.0
+
+    costs = {"f": [], "i": [], "w": []}
+    for stage in range(sim.schedule.num_stages):
+        split = (("I", stage) in spans) or (("W", stage) in spans)
+        costs["f"].append(median("F", stage))
+        costs["i"].append(median("I", stage) if split else median("B", stage))
+        costs["w"].append(median("W", stage) if split else 0.0)
+    return costs
+
+
+def predicted_simulation(sim: SimpleNamespace):
+    """The simulator's run of the measured schedule from its measured per-stage costs
+    (``measured_costs``; no transfer latency): what the schedule should give with these
+    costs, to set against the measured bubble."""
+    from torchpp import schedule as S
+
+    return S.simulate(sim.schedule, **measured_costs(sim))
+
+
 def plot_timeline(sched, path: str, group=None, title: Optional[str] = None) -> Optional[str]:
     """Draws the last step of the first pipeline group (ranks as rows, time in ms) on global
     rank 0, with the schedule compiler's timeline plot. Collective over ``group``.
@@ -134,5 +165,5 @@ def plot_timeline(sched, path: str, group=None, title: Optional[str] = None) -> 
     sch = sched.schedule
     title = title or (f"{sch.name} real run  p={sch.num_ranks} m={sch.num_microbatches}  time in ms  "
                       f"measured bubble ratio {sim.bubble_ratio:.3f}")
-    draw(sim, path, title)
+    draw(sim, path, title, unit="ms")
     return path
