@@ -12,9 +12,13 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 TORCH_VERSION="$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
 
-# Pin the installed torch so that no dependency can make pip resolve another one.
-if ! "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout" 2>/dev/null; then
-  "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" transformers tqdm matplotlib ninja pytest pytest-timeout
+# Pin the installed torch so that no dependency can make pip resolve another one; transformers
+# is pinned too: the model sweep (docs/models.md) and the plan tests follow its model plans.
+TRANSFORMERS_VERSION=5.24.0
+if ! "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout
+assert transformers.__version__ == '$TRANSFORMERS_VERSION'" 2>/dev/null; then
+  "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" tqdm matplotlib \
+    ninja pytest pytest-timeout
 fi
 
 # ccache through a one-line wrapper: torch's ninja writer takes CXX as a single program.

@@ -53,7 +53,7 @@ def check_auto_split(schedule, n_microbatches):
 
     wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, split="auto", state=state)
     what = f"llama pp=2 {schedule} split=auto rank={dist.get_rank()}"
-    mine = {index: len(stage.blocks) for index, stage in zip(wrapped.stage_indices, wrapped.stages)}
+    mine = {index: len(stage.layers) for index, stage in zip(wrapped.stage_indices, wrapped.pipeline_stages)}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     layers = {index: n for part in every for index, n in part.items()}

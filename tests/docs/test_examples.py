@@ -81,6 +81,13 @@ def test_ptdp_page_example_prints_the_documented_losses(tmp_path):
         assert found[step] == pytest.approx(loss, abs=2e-3), (step, found[step], loss)
 
 
+def test_ptdp_page_user_plan_example_trains(tmp_path):
+    (tmp_path / "user_plan.py").write_text(python_block("ptdp.md", "Save as `user_plan.py`"))
+    found = losses(run(["user_plan.py"], tmp_path, nproc=4))
+    assert sorted(found) == [0, 5, 10, 15], found
+    assert found[15] < found[0] - 0.5, f"the user's model does not learn: {found}"
+
+
 def test_ptdp_page_checkpoint_example_reloads_what_it_trained(tmp_path):
     (tmp_path / "hf_weights.py").write_text(python_block("ptdp.md", "Save as `hf_weights.py`"))
     output = run(["hf_weights.py"], tmp_path, nproc=4)

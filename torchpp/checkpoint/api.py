@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchpp.checkpoint import directory
 from torchpp.checkpoint.chunks import ChunkedTensor
-from torchpp.checkpoint.layout import ModelLike, as_dtensor, named_parameters, tp_partition
+from torchpp.checkpoint.layout import ModelLike, as_dtensor, gather_whole, named_parameters, saved_whole, tp_partition
 from torchpp.checkpoint.optimizer import optimizer_entries, optimizer_targets
 from torchpp.checkpoint.planner import ChunkedLoadPlanner, ChunkedSavePlanner
 from torchpp.checkpoint.rng import capture_rng, restore_rng, rng_key, source_key
@@ -56,8 +56,19 @@ def _enabled_scaler(grad_scaler, optimizer):
     return scaler if scaler is not None and scaler.is_enabled() else None
 
 
-def _model_entries(params, state: ParallelState) -> Dict[str, Any]:
-    return {MODEL_PREFIX + name: as_dtensor(p.detach(), tp_partition(p, state), state) for name, p in params.items()}
+def _model_entries(params, state: ParallelState, loading: bool = False):
+    """DCP entries of the parameters, and {name: (parameter, full buffer)} for those saved whole
+    (see saved_whole): after a load each takes its shard of the buffer."""
+    entries, whole = {}, {}
+    for name, p in params.items():
+        if saved_whole(p, state):
+            full = torch.empty(p.tp_layout.full_shape(p.shape, state.tp), dtype=p.dtype, device=p.device) \
+                if loading else gather_whole(p, p.tp_layout, state)
+            entries[MODEL_PREFIX + name] = as_dtensor(full, None, state)
+            whole[name] = (p, full)
+        else:
+            entries[MODEL_PREFIX + name] = as_dtensor(p.detach(), tp_partition(p, state), state)
+    return entries, whole
 
 
 def save_checkpoint(
@@ -99,7 +110,7 @@ def save_checkpoint(
     if getattr(optimizer, "post_validate", False):
         optimizer.flush()  # a speculative update is validated (and redone if need be) before it is saved
     params = named_parameters(model)
-    entries = _model_entries(params, state)
+    entries, _ = _model_entries(params, state)
     chunked: Dict[str, ChunkedTensor] = {}
     if optimizer is not None:
         plain, chunked = optimizer_entries(optimizer, params, state)
@@ -157,7 +168,7 @@ def load_checkpoint(
     missing = [name for name in params if MODEL_PREFIX + name not in metadata.state_dict_metadata]
     if missing:
         raise KeyError(f"torchpp.checkpoint: {path} has no parameters {missing}")
-    entries = _model_entries(params, state)
+    entries, whole = _model_entries(params, state, loading=True)
     chunked: Dict[str, ChunkedTensor] = {}
     targets = None
     if optimizer is not None:
@@ -175,6 +186,8 @@ def load_checkpoint(
                       f"{scaler.get_scale()}")
     entries[META] = None
     dcp.load(entries, storage_reader=reader, planner=ChunkedLoadPlanner(chunked))
+    for param, full in whole.values():
+        param.copy_(param.tp_layout.shard(full, state.tp_rank, state.tp))
     if targets is not None:
         targets.plain.update({k: entries[k] for k in targets.plain})  # objects were read into `entries`
         targets.install(optimizer)

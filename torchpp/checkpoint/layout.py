@@ -9,10 +9,12 @@ import functools
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchpp.parallel.groups import ParallelState
+from torchpp.tensor_parallel.layouts import Replicated, Split
 
 ModelLike = Union[nn.Module, Mapping[str, nn.Parameter]]
 
@@ -65,6 +67,24 @@ def tp_partition(param: torch.Tensor, state: ParallelState) -> Optional[int]:
             f"but the TP group has {state.tp}"
         )
     return param.partition_dim
+
+
+def saved_whole(param: torch.Tensor, state: ParallelState) -> bool:
+    """True when ``param``'s TP shard is not one contiguous block of the full tensor (fused
+    blocks split block by block, heads copied over ranks, a vocabulary padded to a multiple of
+    tp): it is saved as the full tensor, so the files stay independent of the layout."""
+    layout = getattr(param, "tp_layout", None)
+    if layout is None or isinstance(layout, Replicated) or state.tp == 1:
+        return False
+    return not (isinstance(layout, Split) and layout.full_size % state.tp == 0)
+
+
+def gather_whole(local: torch.Tensor, layout, state: ParallelState) -> torch.Tensor:
+    """The full tensor of which ``local`` is this rank's shard under ``layout`` (a parameter's
+    ``tp_layout``; its optimizer state shares it). Collective over TP."""
+    shards = [torch.empty_like(local) for _ in range(state.tp)]
+    dist.all_gather(shards, local.detach().contiguous(), group=state.tp_group)
+    return layout(shards)
 
 
 def global_shape_and_offset(local: torch.Tensor, dim: Optional[int], state: ParallelState) -> Tuple[torch.Size, Tuple[int, ...]]:

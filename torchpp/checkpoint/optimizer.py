@@ -11,7 +11,7 @@ Keys: "optim.{name}.{state key}" and "hparams.{name}" (the param group's options
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from torchpp.checkpoint.chunks import ChunkedTensor
-from torchpp.checkpoint.layout import as_dtensor, global_shape_and_offset, tp_partition
+from torchpp.checkpoint.layout import as_dtensor, gather_whole, global_shape_and_offset, saved_whole, tp_partition
 from torchpp.parallel.groups import ParallelState
 from torchpp.parallel.optimizer import DistributedOptimizer
 from torchpp.parallel.zero import ZeroRedundancyOptimizer, _Segment
@@ -66,13 +66,27 @@ def _leaves(optimizer, params: Mapping[str, nn.Parameter]) -> List[_Leaf]:
     return leaves
 
 
-def _per_element(leaf: _Leaf, local: torch.Tensor, state: ParallelState) -> Tuple[Any, bool]:
-    """`local` (state shaped like the leaf) as a DTensor, or as a ChunkedTensor under ZeRO."""
+def _per_element(leaf: _Leaf, local: torch.Tensor, state: ParallelState,
+                 loading: bool = False) -> Tuple[Any, bool, Optional[torch.Tensor]]:
+    """`local` (state shaped like the leaf) as a DTensor, or as a ChunkedTensor under ZeRO; for
+    a parameter saved whole (see saved_whole), the full tensor (a buffer when `loading`).
+    Returns (entry, whether it is chunked, the full tensor when saved whole)."""
+    if saved_whole(leaf.param, state):
+        if leaf.segment is not None:
+            raise NotImplementedError(
+                f"torchpp.checkpoint: ZeRO-sharded optimizer state of {leaf.name}, whose TP layout "
+                f"{leaf.param.tp_layout!r} is not one contiguous block per rank, cannot be saved layout-independently")
+        param = leaf.param
+        if loading:
+            full = torch.empty(param.tp_layout.full_shape(local.shape, state.tp), dtype=local.dtype, device=local.device)
+        else:
+            full = gather_whole(local, param.tp_layout, state)
+        return as_dtensor(full, None, state), False, full
     dim = tp_partition(leaf.param, state)
     if leaf.segment is None:
-        return as_dtensor(local, dim, state), False
+        return as_dtensor(local, dim, state), False, None
     shape, shift = global_shape_and_offset(leaf.param, dim, state)
-    return ChunkedTensor.from_flat_range(local, leaf.param.shape, leaf.segment.param_lo, shape, shift), True
+    return ChunkedTensor.from_flat_range(local, leaf.param.shape, leaf.segment.param_lo, shape, shift), True, None
 
 
 def optimizer_entries(optimizer, params: Mapping[str, nn.Parameter], state: ParallelState) -> Tuple[Dict[str, Any], Dict[str, ChunkedTensor]]:
@@ -92,7 +106,7 @@ def optimizer_entries(optimizer, params: Mapping[str, nn.Parameter], state: Para
         for key, value in inner.state.get(leaf.tensor, {}).items():
             fqn = f"{STATE_PREFIX}{leaf.name}.{key}"
             if torch.is_tensor(value) and value.dim() > 0 and value.shape == leaf.tensor.shape:
-                entry, is_chunked = _per_element(leaf, value, state)
+                entry, is_chunked, _ = _per_element(leaf, value, state)
                 (chunked if is_chunked else plain)[fqn] = entry
             else:
                 plain[fqn] = value
@@ -108,10 +122,14 @@ class OptimizerTargets:
     # (leaf, state key, local tensor or None for objects read into `plain`)
     slots: List[Tuple[_Leaf, str, Optional[torch.Tensor]]]
     leaves: List[_Leaf]
+    # (local tensor, full buffer, layout) of state saved whole: the local tensor takes its shard
+    whole: List[Tuple[torch.Tensor, torch.Tensor, Any]] = field(default_factory=list)
 
     def install(self, optimizer) -> None:
         """Puts the loaded tensors and group options into the optimizer (after the DCP load)."""
         inner = _inner(_unwrap(optimizer))
+        for local, full, (layout, rank, size) in self.whole:
+            local.copy_(layout.shard(full, rank, size))
         for leaf, key, local in self.slots:
             value = local if local is not None else self.plain[f"{STATE_PREFIX}{leaf.name}.{key}"]
             inner.state[leaf.tensor][key] = value
@@ -153,7 +171,9 @@ def optimizer_targets(optimizer, params: Mapping[str, nn.Parameter], state: Para
                 # Like Optimizer.load_state_dict: floating state takes the parameter's dtype.
                 dtype = leaf.param.dtype if leaf.param.is_floating_point() else md.properties.dtype
                 local = torch.empty_like(leaf.tensor, dtype=dtype, memory_format=torch.contiguous_format)
-                entry, is_chunked = _per_element(leaf, local, state)
+                entry, is_chunked, full = _per_element(leaf, local, state, loading=True)
+                if full is not None:
+                    targets.whole.append((local, full, (leaf.param.tp_layout, state.tp_rank, state.tp)))
                 (targets.chunked if is_chunked else targets.plain)[fqn] = entry
             else:
                 # torch.optim keeps "step" on the CPU unless capturable/fused (see Optimizer.load_state_dict).
@@ -165,5 +185,8 @@ def optimizer_targets(optimizer, params: Mapping[str, nn.Parameter], state: Para
 
 
 def _is_per_element(md: TensorStorageMetadata, leaf: _Leaf, state: ParallelState) -> bool:
-    shape, _ = global_shape_and_offset(leaf.param, tp_partition(leaf.param, state), state)
+    if saved_whole(leaf.param, state):
+        shape = leaf.param.tp_layout.full_shape(leaf.param.shape, state.tp)
+    else:
+        shape, _ = global_shape_and_offset(leaf.param, tp_partition(leaf.param, state), state)
     return len(md.size) > 0 and md.size == shape

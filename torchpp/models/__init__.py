@@ -1,5 +1,5 @@
-"""Models built from torchpp's parallel layers, and wrappers for existing models."""
-from torchpp.models.hf import ParallelCausalLM, parallelize
+"""Wrapping existing models: parallelize (by plan, in place) and their checkpoints."""
 from torchpp.models.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from torchpp.models.parallelize import ParallelCausalLM, ParallelModule, parallelize
 
-__all__ = ["ParallelCausalLM", "load_hf_weights", "parallelize", "save_hf_checkpoint"]
+__all__ = ["ParallelCausalLM", "ParallelModule", "load_hf_weights", "parallelize", "save_hf_checkpoint"]

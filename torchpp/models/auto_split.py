@@ -43,12 +43,11 @@ class _HeadLoss(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), self.labels.flatten())
 
 
-def _parts(model: nn.Module):
-    """(decoder layers, final norm) of a GPT-2 or Llama-family (Llama, Mistral, Mixtral, Qwen2,
-    Qwen3, Gemma 1 to 3, Phi-3) causal LM."""
-    if hasattr(model, "transformer"):  # GPT2LMHeadModel
-        return list(model.transformer.h), model.transformer.ln_f
-    return list(model.model.layers), model.model.norm
+def _parts(model: nn.Module, layout):
+    """(layers, the modules after them but the head) of a model cut by ``layout``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    after = [model.get_submodule(p) for p in layout.after]
+    return list(model.get_submodule(layout.layers)), nn.Sequential(*[m for m in after if m is not head])
 
 
 def placement_of(num_stages: int, pp: int, rank_of: Dict[int, int]) -> str:
@@ -108,7 +107,7 @@ def _capture(model: nn.Module, layers: List[nn.Module], ids: torch.Tensor):
     return captured
 
 
-def profile_layers(model: nn.Module, seq_len: int | None = None, repeats: int = 3):
+def profile_layers(model: nn.Module, layout, seq_len: int | None = None, repeats: int = 3):
     """Seconds (forward + I + W) per decoder layer, and of the embedding and of norm + head + loss.
 
     Args:
@@ -122,7 +121,7 @@ def profile_layers(model: nn.Module, seq_len: int | None = None, repeats: int = 
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=g).to(device)
-    layers, norm = _parts(model)
+    layers, norm = _parts(model, layout)
     captured = _capture(model, layers, ids)
     blocks = [_Bound(layer, rest, kw) for layer, (_, rest, kw) in zip(layers, captured)]
     decoder = P.profile(blocks, captured[0][0], repeats=repeats)
@@ -131,12 +130,12 @@ def profile_layers(model: nn.Module, seq_len: int | None = None, repeats: int = 
     return decoder.compute_times, embedding.compute_times[0], head.compute_times[0]
 
 
-def auto_split(model: nn.Module, num_stages: int, pp: int, rank_of: Dict[int, int],
+def auto_split(model: nn.Module, num_stages: int, pp: int, rank_of: Dict[int, int], layout,
                seq_len: int | None = None) -> List[int]:
     """Profiles ``model`` on this rank and partitions it; collective: every rank gets rank 0's split."""
     if num_stages == 1:
         return []
-    layers, embedding, head = profile_layers(model, seq_len)
+    layers, embedding, head = profile_layers(model, layout, seq_len)
     split = choose_split(layers, num_stages, pp, rank_of, embedding, head)
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [split]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpp.checkpoint.directory import commit_directory, on_rank0, prepare_directory
-from torchpp.models.hf_moe import on_disk_format
+from torchpp.models.hf_disk_format import on_disk_format
 
 Checkpoint = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
 
@@ -103,42 +103,39 @@ class _Reader:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
-    """Copies this rank's shard of every parameter out of an HF checkpoint of the original model.
+    """Copies this rank's shard of every parameter out of a checkpoint of the original model.
 
     Works on a model wrapped from the meta device (see the module docstring) and on one with
     real weights (overwritten). Local: no communication; each rank reads only the tensors of
-    its own stages. A tied head absent from the checkpoint (transformers does not save it)
-    takes the embedding's tensor.
+    its own stages, and cuts its TP shard by each parameter's ``tp_layout``. A tied head absent
+    from the checkpoint (transformers does not save it) takes the embedding's tensor.
 
     Args:
-        model: the ParallelCausalLM that ``parallelize`` returned.
+        model: the model ``parallelize`` returned.
         checkpoint: a folder written by ``save_pretrained`` (``model.safetensors`` or
             ``pytorch_model.bin``, or their sharded ``.index.json``), one such file, or a state
             dict of the original model.
     """
     reader = _Reader(checkpoint)
-    tp_size, tp_rank = model.tp_group.size(), model.tp_group.rank()
-    disk = on_disk_format(model.hf_config)
+    group = model.tp_group
+    tp_size, tp_rank = group.size(), dist.get_rank(group)
+    disk = on_disk_format(model.config)
+    tied = getattr(model, "tied_names", {})
     filled = set()
-    for export in model.exports:
-        if id(export.param) in filled:  # a table tied on this rank is exported under both names
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in filled:  # a parameter tied on this rank is reached under both names
             continue
-        name = export.hf_name
-        if name not in reader and name in model.tied_names:
-            name = model.tied_names[name]
-        full = disk.read(name, reader) if disk is not None and name not in reader else None
-        full = reader[name] if full is None else full
-        local = export.param.shape
-        expected = export.unshard([torch.empty(local, device="meta")] * tp_size).shape  # the layout, shapes only
+        key = name if name in reader or name not in tied else tied[name]
+        full = disk.read(key, reader) if disk is not None and key not in reader else None
+        full = reader[key] if full is None else full
+        layout = getattr(param, "tp_layout", None)
+        expected = param.shape if layout is None or layout.dim is None else layout.full_shape(param.shape, tp_size)
         if full.shape != expected:
-            raise ValueError(f"torchpp.load_hf_weights: {name} of shape {tuple(full.shape)} in the checkpoint, but the "
-                             f"wrapped model's is {tuple(expected)} (shards of {tuple(local)} on {tp_size} TP ranks): "
-                             f"the checkpoint is not of this model's config")
-        export.param.copy_(export.unshard.shard(full, tp_rank, tp_size, local))
-        filled.add(id(export.param))
-    unfilled = [name for name, param in model.named_parameters() if id(param) not in filled]
-    if unfilled:
-        raise RuntimeError(f"torchpp.load_hf_weights: parameters {unfilled} have no HF tensor")
+            raise ValueError(f"torchpp.load_hf_weights: {key} of shape {tuple(full.shape)} in the checkpoint, but the "
+                             f"wrapped model's is {tuple(expected)} (shards of {tuple(param.shape)} on {tp_size} TP "
+                             f"ranks): the checkpoint is not of this model's config")
+        param.copy_(full if layout is None else layout.shard(full, tp_rank, tp_size))
+        filled.add(id(param))
     model.weights_pending = False
 
 
@@ -155,7 +152,7 @@ def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike],
     same file system.
 
     Args:
-        model: the ParallelCausalLM that ``parallelize`` returned.
+        model: the model ``parallelize`` returned.
         directory: where to write.
         dtype: cast the tensors to it (e.g. torch.bfloat16 from fp32 training), and record it
             in config.json; default: as they are.
@@ -167,13 +164,14 @@ def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike],
 
     state, final = model.state, os.fspath(directory)
     tmp = on_rank0(lambda: prepare_directory(final))
-    tensors = model.hf_state_dict()  # collective over TP
+    tensors = model.full_state_dict()  # collective over TP
     if dtype is not None:
         tensors = {name: t.to(dtype) for name, t in tensors.items()}
-    disk = on_disk_format(model.hf_config)
+    disk = on_disk_format(model.config)
     if disk is not None:  # the names (and splits) transformers writes
         tensors = {key: t for name, tensor in tensors.items() for key, t in disk.write(name, tensor).items()}
-    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items() if name not in model.tied_names}
+    tied = getattr(model, "tied_names", {})
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items() if name not in tied}
     held = [None] * state.pp
     dist.all_gather_object(held, sizes, group=state.pp_group)
     owned, claimed = [], set()
@@ -191,7 +189,7 @@ def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike],
         total = sum(held[k][name] for k in writers for name in owned[k])
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        config = model.hf_config
+        config = model.config
         if dtype is not None:
             config = copy.deepcopy(config)
             config.dtype = dtype

@@ -15,9 +15,11 @@ from torch.utils._pytree import tree_flatten
 from torchpp import _C
 from torchpp import schedule as S
 from torchpp.pipeline.errors import PipelineError
+from torchpp.pipeline import split_modules
 from torchpp.pipeline.microbatch import (chunk_dim_of, loss_weights, merge_chunks, split_args_kwargs_into_chunks,
                                          split_microbatches)
 from torchpp.pipeline.stage import PipelineStage
+from torchpp.pipeline.trace import parse_action
 from torchpp.tensor_parallel.utils import combine_flat_grads, share_summed_grads
 
 # Tag of the gradient exchange between DualPipe's twin stages, far above the executor's tags.
@@ -65,6 +67,7 @@ class PipelineSchedule:
         self.device = first.device
         self._stage_of = self._place(stages)
         self.stages = stages
+        self._split_backward_layers()
         if schedule.num_pipelines == 2:
             self._twin_params = self._flag_twin_parameters()
         spp = schedule.num_stages // schedule.num_pipelines
@@ -130,6 +133,19 @@ class PipelineSchedule:
                 f"{sorted(by_model_stage)}"
             )
         return {s: by_model_stage[sch.model_stage(s)] for s in mine}
+
+    def _split_backward_layers(self) -> None:
+        """Puts each stage's plain linears on the split op where the schedule has W passes for
+        it (or its ``split_bw`` says so), so those passes carry the weight gradients."""
+        actions = map(parse_action, self.schedule.actions(self.rank))
+        with_w = {self.schedule.model_stage(stage) for stage, kind, _ in actions if kind == "W"}
+        for st in self.stages:
+            wanted = st.split_bw if st.split_bw is not None else st.stage_index in with_w
+            if wanted:
+                st.split_bw_modules = split_modules.split_linears(st.submod)
+            elif st.split_bw is False:
+                split_modules.unsplit_linears(st.submod)
+                st.split_bw_modules = []
 
     def _script_stages(self, loss_fn, weighted_seed: bool, spp: int):
         """TorchScript stages (and loss) run from C++ without entering Python; None otherwise."""

@@ -67,6 +67,17 @@ class PipelineStage:
         get_mesh: must be None: it serves torch's DTensor messages, which torchpp does not carry
             (tensor parallelism goes through torchpp.tp's layers and plain tensors).
         tp_group: the tensor-parallel group of this stage (scatter/gather P2P uses it).
+        split_bw: whether the stage's plain layers run their backward split into I and W, so
+            that a zero-bubble schedule's W passes carry their weight gradients: every
+            ``nn.Linear`` (subclasses that keep its forward included) and
+            ``nn.MultiheadAttention`` inside ``submodule`` gets a subclass of its own class
+            running ``torch.ops.torchpp.split_bw_linear`` (``split_modules.split_linears``;
+            parameters, state-dict names and ``isinstance`` unchanged). None (default): on
+            when the schedule the stage is built into has W passes for it (zb-h1, zb-h2,
+            zb-auto, zb-v, interleaved-zb, dualpipe, dualpipe-v), left as it is otherwise;
+            True forces it on; False keeps the plain layers (undoing an earlier swap), so
+            their whole backward runs in I. Layers with their own forward (``SplitBWLinear``,
+            TP layers) decide their split themselves either way.
     """
 
     def __init__(
@@ -84,6 +95,7 @@ class PipelineStage:
         get_mesh=None,
         *,
         tp_group: ops.GroupLike = None,
+        split_bw: Optional[bool] = None,
     ):
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"torchpp.PipelineStage: stage_index {stage_index} outside [0, {num_stages})")
@@ -91,6 +103,9 @@ class PipelineStage:
             raise ValueError(f"torchpp.PipelineStage {stage_index}: get_mesh={get_mesh!r} serves DTensor messages, "
                              "which torchpp does not carry; stages exchange plain tensors (use torchpp.tp's "
                              "layers for tensor parallelism)")
+        if split_bw is not None and not isinstance(split_bw, bool):
+            raise TypeError(f"torchpp.PipelineStage {stage_index}: split_bw must be None, True or False, "
+                            f"got {split_bw!r}")
         if dw_builder is not None and not callable(dw_builder):
             raise TypeError(f"torchpp.PipelineStage {stage_index}: dw_builder must be callable, got {dw_builder!r}")
         self.input_tensors = _examples(stage_index, "input_args", input_args)  # input_args as a list
@@ -111,6 +126,9 @@ class PipelineStage:
         self.output_args = output_args
         self.dw_builder = dw_builder
         self.tp_group = ops.group_of(tp_group) if tp_group is not None else None
+        self.split_bw = split_bw
+        # Names of the submodules swapped onto the split op, set when a schedule is built.
+        self.split_bw_modules: List[str] = []
 
     @property
     def is_first(self) -> bool:

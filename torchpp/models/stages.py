@@ -1,0 +1,259 @@
+"""Pipeline stages cut out of an existing model, each running the model's own modules.
+
+A model is cut at its stack of layers (``PipelineLayout``: the stack's path, and the modules
+before it, on the first stage, and after it, on the last). On each rank the layers of other
+ranks' stages are replaced by placeholders, in place, so the model keeps its structure and its
+parameter names.
+
+A transformers model's stage runs the model's own forward (masks, rotary tables, position
+embeddings, scaling, everything between its layers stays as transformers writes it): a
+later stage calls it with a placeholder for the input embeddings, and the hidden states
+received from the previous stage enter at the stage's first layer (a pre-hook swaps them in);
+a stage before the last leaves at its last layer (a hook ends the forward there). Any other
+model's stage calls its modules in sequence: the modules before the stack, the stage's
+layers, the modules after it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PipelineLayout:
+    """Where a model is cut into stages.
+
+    Attributes:
+        layers: dotted path of the nn.ModuleList of layers (``"model.layers"``).
+        before: paths of the modules that run before the layers (first stage), in order.
+        after: paths of the modules that run after them (last stage), in order.
+    """
+
+    layers: str
+    before: List[str]
+    after: List[str]
+
+
+def get_submodule(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model
+
+
+def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(get_submodule(model, parent), name, module)
+
+
+class ElsewhereLayer(nn.Module):
+    """Stands in for a layer held by another pipeline rank; passes its input through (a stage
+    entered later swaps in what it received, so nothing it returns is used)."""
+
+    placeholder = True  # plans skip it
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index} is on another pipeline rank"
+
+
+class Elsewhere(nn.Module):
+    """Stands in for a module (embedding, final norm, head) held by another pipeline rank.
+
+    One that runs before the layers (``before``) still gets called by a later stage's run of
+    the model's forward, whose result up to the stage's first layer is thrown away: it
+    returns a zero scalar, which broadcasts through what the forward does with it (adding
+    position embeddings, scaling, dropout). One after the layers is never reached."""
+
+    placeholder = True  # plans skip it
+
+    def __init__(self, path: str, before: bool):
+        super().__init__()
+        self.path, self.before = path, before
+
+    def forward(self, *args, **kwargs):
+        if not self.before:
+            raise RuntimeError(f"torchpp pipeline: {self.path} is held by another pipeline rank and cannot run here")
+        like = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        dtype = torch.get_default_dtype() if like is None or not like.is_floating_point() else like.dtype
+        return torch.zeros((), dtype=dtype, device=None if like is None else like.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.path} is on another pipeline rank"
+
+
+class _Exit(Exception):
+    """Ends a stage's forward after its last layer, carrying that layer's output."""
+
+    def __init__(self, output):
+        super().__init__("pipeline stage exit")
+        self.output = output
+
+
+def _hidden(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class ModelStage(nn.Module):
+    """One pipeline stage of a model cut in place (see the module docstring).
+
+    The first stage takes what the model takes (a transformers model: ``input_ids`` and the
+    keyword arguments ``attention_mask``, ``position_ids``); every stage but the last returns
+    the hidden states leaving its last layer, with, for a transformers model, the position ids
+    and attention mask behind them (integer tensors travel forward with the hidden states, so a
+    later stage builds the same masks and rotary tables); the last returns what the model
+    returns (its logits, for a causal LM).
+
+    Args:
+        model: the whole model (this rank's part of it; not registered as a submodule, so the
+            stage's parameters are its own).
+        layout: where the model is cut.
+        index: the model stage's index.
+        layer_range: (first, end) of the stage's layers.
+        first, last: whether the stage holds the modules before / after the layers.
+        hf: run the model's own forward (a transformers model) rather than the modules in sequence.
+    """
+
+    def __init__(self, model: nn.Module, layout: PipelineLayout, index: int, layer_range: Tuple[int, int],
+                 first: bool, last: bool, hf: bool):
+        super().__init__()
+        self.index, self.layer_range, self.first, self.last, self.hf = index, layer_range, first, last, hf
+        object.__setattr__(self, "_model", model)  # not a submodule: only the stage's own parameters count
+        self.layout = layout
+        stack = get_submodule(model, layout.layers)
+        self.layers = nn.ModuleList(stack[i] for i in range(*layer_range))
+        self.before = nn.ModuleList(get_submodule(model, p) for p in layout.before) if first else None
+        self.after = nn.ModuleList(get_submodule(model, p) for p in layout.after) if last else None
+        self._incoming: Optional[torch.Tensor] = None
+        self._active = False
+        # Layers of this rank's other stages are set aside while this stage runs the stack.
+        self._others: Dict[int, nn.Module] = {}
+        if hf:
+            if not first:
+                self.layers[0].register_forward_pre_hook(self._enter, with_kwargs=True)
+            if not last:
+                self.layers[-1].register_forward_hook(self._leave)
+
+    def _enter(self, module, args, kwargs):
+        if not self._active:  # recomputation in backward, or the model called outside the pipeline
+            return None
+        incoming = self._incoming
+        if args:
+            return (incoming,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": incoming}
+
+    def _leave(self, module, args, output):
+        if self._active:
+            raise _Exit(output)
+
+    def set_aside(self, layers: Dict[int, nn.Module]) -> None:
+        """The layers of this rank's other stages (indices in the stack), which must not run
+        (on this stage's placeholder input) when this stage runs the model's forward."""
+        self._others = dict(layers)
+
+    @contextlib.contextmanager
+    def _running(self, incoming: Optional[torch.Tensor]):
+        stack = get_submodule(self._model, self.layout.layers)
+        for i in self._others:
+            stack[i] = ElsewhereLayer(i)
+        self._incoming, self._active = incoming, True
+        try:
+            yield
+        finally:
+            self._incoming, self._active = None, False
+            for i, layer in self._others.items():
+                stack[i] = layer
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor, **kwargs):
+        if not self.hf:
+            return self._sequential(x, *rest, **kwargs)
+        model = self._model
+        if self.first:
+            position_ids = kwargs.pop("position_ids", None)
+            attention_mask = kwargs.pop("attention_mask", None)
+            if position_ids is None:
+                position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+            call = dict(input_ids=x, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+            incoming = None
+        else:
+            position_ids, attention_mask = rest[0], (rest[1] if len(rest) > 1 else None)
+            # The model's own forward runs up to our first layer on a placeholder of the full
+            # sequence's shape, where the received hidden states are swapped in.
+            placeholder = x.new_zeros(x.shape[0], position_ids.shape[1], self._embedding_width(x))
+            call = dict(inputs_embeds=placeholder, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+            incoming = x
+        with self._running(incoming):
+            try:
+                # nn.Module.__call__: the parallelized model's own __call__ refuses calls under a pipeline.
+                output = nn.Module.__call__(model if self.last else _base_model(model), use_cache=False, **call)
+            except _Exit as leaving:
+                hidden = _hidden(leaving.output)
+                return (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
+        return output.logits if hasattr(output, "logits") else output[0]
+
+    def _embedding_width(self, hidden: torch.Tensor) -> int:
+        # The input embeddings' width; the hidden states between layers may have more dimensions
+        # (several residual streams).
+        config = getattr(self._model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(config, "hidden_size", None) or hidden.shape[-1]
+
+    def _sequential(self, x, *rest, **kwargs):
+        if self.first:
+            for module in self.before:
+                x = module(x, *rest, **kwargs)
+                rest, kwargs = (), {}
+        for layer in self.layers:
+            x = _hidden(layer(x, *rest, **kwargs))
+            rest, kwargs = (), {}
+        if self.last:
+            for module in self.after:
+                x = module(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"stage {self.index}: layers [{self.layer_range[0]}, {self.layer_range[1]})"
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """A transformers model's base model (``model.model``, ``model.transformer``)."""
+    return getattr(model, "base_model", model)
+
+
+def cut_in_place(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int], mine: Sequence[int],
+                 hf: bool) -> Dict[int, ModelStage]:
+    """Keeps this rank's stages of ``model`` and replaces the rest by placeholders, in place.
+
+    Args:
+        model: the model (modified in place).
+        layout: where it is cut.
+        bounds: [0, first layer of stage 1, ..., number of layers].
+        mine: the model stages this rank holds.
+        hf: a transformers model (stages run its own forward).
+
+    Returns:
+        {model stage index: ModelStage} for this rank's stages.
+    """
+    num_stages = len(bounds) - 1
+    stack = get_submodule(model, layout.layers)
+    kept = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
+    for i in range(len(stack)):
+        if i not in kept:
+            stack[i] = ElsewhereLayer(i)
+    keep_before, keep_after = 0 in mine, num_stages - 1 in mine
+    for paths, keep, before in ((layout.before, keep_before, True), (layout.after, keep_after, False)):
+        if not keep:
+            for path in paths:
+                set_submodule(model, path, Elsewhere(path, before))
+    stages = {s: ModelStage(model, layout, s, (bounds[s], bounds[s + 1]), s == 0, s == num_stages - 1, hf)
+              for s in mine}
+    for s, stage in stages.items():
+        stage.set_aside({i: stack[i] for t in mine if t != s for i in range(bounds[t], bounds[t + 1])})
+    return stages

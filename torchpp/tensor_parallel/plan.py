@@ -1,0 +1,149 @@
+"""Applying a tensor-parallel plan to an existing model, in place.
+
+A plan is data: module- or parameter-name globs (``*`` stands for one name component, such as a
+layer number) mapped to style names (``torchpp.tensor_parallel.styles.STYLES``), as in
+transformers' ``base_model_tp_plan`` and torch's ``parallelize_module``::
+
+    plan = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+    apply_tp_plan(model, plan, TPContext(group))
+
+and, for sequence parallelism, ``apply_sequence_parallel`` on the model's stack of layers.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Mapping, Optional
+
+from torch import nn
+
+from torchpp import ops
+from torchpp.tensor_parallel.styles import PlanError, TPContext, get_style, sum_grads_over_tp
+
+
+def glob_pattern(glob: str) -> "re.Pattern[str]":
+    """A regex for a plan glob: ``*`` matches one dotted name component."""
+    return re.compile("^" + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in glob.split(".")) + "$")
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, str], strict: bool) -> Dict[str, str]:
+    """{module or parameter name: style name} for every name a glob of ``plan`` matches.
+
+    Args:
+        model: the model the names refer to.
+        plan: glob -> style name.
+        strict: a glob that matches nothing raises (a user's plan); transformers' plans name
+            modules some configs lack (dense and MoE layers, shared experts), so theirs are not.
+    """
+    # Placeholders of modules held by other pipeline ranks take no style.
+    modules = [name for name, m in model.named_modules() if name and not getattr(m, "placeholder", False)]
+    params = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    resolved: Dict[str, str] = {}
+    for glob, style in plan.items():
+        if not isinstance(style, str):
+            raise PlanError(f"torchpp plan: the style of {glob!r} must be a style name, got {style!r}")
+        pattern = glob_pattern(glob)
+        matched = [name for name in modules + params if pattern.match(name)]
+        if not matched and strict:
+            raise PlanError(f"torchpp plan: {glob!r} matches no module or parameter of {type(model).__name__}")
+        for name in matched:
+            if name in resolved and resolved[name] != style:
+                raise PlanError(f"torchpp plan: {name} gets two styles, {resolved[name]!r} and {style!r}")
+            resolved[name] = style
+    return resolved
+
+
+def apply_tp_plan(model: nn.Module, plan: Mapping[str, str], ctx: TPContext, *, strict: bool = True,
+                  config=None) -> Dict[str, str]:
+    """Shards ``model`` in place by ``plan`` over ``ctx.group``; returns the resolved plan.
+
+    Parameters named by the plan are sharded first, then modules get their styles. A module
+    whose parameter a style sharded but which has no style of its own (a tied embedding left
+    out of the plan) raises: it would compute with a shard as if it were the whole tensor.
+    """
+    resolved = resolve_plan(model, plan, strict)
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, style_name in resolved.items():
+        style = get_style(style_name, name, config)
+        if name in params and name not in modules:
+            owner_name, _, param_name = name.rpartition(".")
+            style.apply_param(modules[owner_name], param_name, name, ctx)
+    for name, style_name in resolved.items():
+        if name in modules:
+            get_style(style_name, name, config).apply(modules[name], name, ctx)
+    _check_shards_have_owners(model, resolved)
+    return resolved
+
+
+def _check_shards_have_owners(model: nn.Module, resolved: Mapping[str, str]) -> None:
+    styled = {name for name in resolved}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            sharded = getattr(param, "tensor_model_parallel", False)
+            if sharded and module_name not in styled and name not in styled and not _under_styled(module_name, styled):
+                raise PlanError(f"torchpp plan: {name} is sharded (it is tied to a module the plan names) but "
+                                f"{module_name or type(model).__name__} has no style of its own; add it to the plan")
+
+
+def _under_styled(module_name: str, styled) -> bool:
+    # A parameter entry's owner (experts) or a module inside a styled one runs with local shards.
+    return any(module_name == s.rpartition(".")[0] or module_name.startswith(s + ".") for s in styled)
+
+
+NORM_WORDS = ("norm", "dropout", "identity")
+
+
+def _runs_on_slices(module: nn.Module) -> bool:
+    """Token-wise children of a layer (norms, dropout) that sequence parallelism runs on slices."""
+    name = type(module).__name__.lower()
+    return any(word in name for word in NORM_WORDS) or isinstance(module, (nn.LayerNorm, nn.Dropout, nn.Identity))
+
+
+def apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, *, layers: Optional[List[int]] = None,
+                            first: bool = True, last: bool = True, sequence_dim: int = 1) -> List[str]:
+    """Megatron-3's sequence parallelism on a stack of layers, by hooks.
+
+    The residual stream between the layers, and the norms and dropout inside them, hold this
+    rank's slice of the sequence: the stack's input is split (keep own slice; gradient
+    all-gathered) and its output gathered (all-gather; gradient sliced). Every other child of
+    a layer (attention, MLP, experts, mixers) all-gathers its input and keeps its own slice of
+    its output, so it runs as without sequence parallelism; the norms' gradients, partial per
+    slice, are summed over TP.
+
+    Args:
+        stack: the model's layers.
+        ctx: the TP context.
+        layers: indices of the layers this rank holds (default: all).
+        first, last: whether this rank holds the stack's first / last layer (a pipeline stage
+            holds some of them; the split and the gather happen where the ends are).
+        sequence_dim: the sequence dimension of the hidden states ([b, s, h]: 1).
+
+    Returns:
+        The names (``index.child``) of the children run on sequence slices.
+    """
+    from torchpp.tensor_parallel.styles import _first_arg_hook, _map_first_output
+
+    group, dim = ctx.group, sequence_dim
+    scatter = lambda x: ops.scatter_to_tp_region(x, group, dim=dim)  # noqa: E731
+    gather = lambda x: ops.gather_from_tp_region(x, group, dim=dim)  # noqa: E731
+    layers = list(range(len(stack))) if layers is None else list(layers)
+    on_slices: List[str] = []
+    for index in layers:
+        layer = stack[index]
+        for param in layer.parameters(recurse=False):
+            sum_grads_over_tp(param, ctx)
+        for child_name, child in layer.named_children():
+            if _runs_on_slices(child):
+                for param in child.parameters():
+                    sum_grads_over_tp(param, ctx)
+                on_slices.append(f"{index}.{child_name}")
+            else:
+                ctx.hooks.append(child.register_forward_pre_hook(_first_arg_hook(gather), with_kwargs=True))
+                ctx.hooks.append(child.register_forward_hook(_map_first_output(scatter)))
+    if first:
+        ctx.hooks.append(stack[0].register_forward_pre_hook(_first_arg_hook(scatter), with_kwargs=True))
+    if last:
+        ctx.hooks.append(stack[len(stack) - 1].register_forward_hook(_map_first_output(gather)))
+    return on_slices

@@ -1,0 +1,582 @@
+"""Tensor-parallel styles: how one module (or one parameter) of an existing model is sharded in
+place, and what happens to its input and output.
+
+A plan maps module-name globs to style names (transformers' ``base_model_tp_plan``, torch's
+``parallelize_module``); ``STYLES`` is the one registry of the names transformers' plans use,
+each a few lines over ``torch.ops.torchpp``. A style shards the module's parameters in place
+(same Parameter objects, so ties hold; each records its ``tp_layout``) and, for modules, gives
+the module a TP forward: linears and embeddings get a class of their own (a subclass of their
+class, so ``isinstance`` and state-dict names are unchanged), other modules input/output hooks.
+
+| style                          | parameters                      | forward                                  |
+|--------------------------------|---------------------------------|------------------------------------------|
+| colwise                        | rows (output features) split    | f on the input, output local             |
+| colwise_gather_output          | rows split                      | f on the input, output all-gathered      |
+| rowwise                        | columns split, bias replicated  | input local, g (all-reduce) on output    |
+| rowwise_split_input            | columns split                   | input split, g on output                 |
+| packed_colwise                 | fused rows split block by block | as colwise                               |
+| packed_rowwise                 | fused last dim split per block  | (parameter style)                        |
+| embedding_rowwise              | vocabulary split (padded)       | partial lookups summed (g)               |
+| embedding_colwise              | embedding dim split             | output all-gathered                      |
+| replicated_with_grad_allreduce | replicated                      | gradients summed over TP                 |
+| moe_tp_experts                 | (its parameter entries)         | f on tokens and routing weights, g after |
+| moe_identity_expert            | -                               | input divided by the TP size             |
+| mla_kv_a_proj                  | replicated                      | f on the rotary part of the output       |
+| all_reduce                     | -                               | g on the output                          |
+| local_params, replicate        | -                               | unchanged (parameters are local here)    |
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from torchpp import ops
+from torchpp.tensor_parallel.layouts import HeadCopies, Layout, Packed, Replicated, Split
+from torchpp.tensor_parallel.utils import mark_tensor_parallel
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied to the model: the message names the entry and the value."""
+
+
+@dataclass
+class TPContext:
+    """What every style applied to one model shares."""
+
+    group: dist.ProcessGroup
+    sequence_parallel: bool = False
+    split_bw: bool = False
+    num_heads: Optional[int] = None  # query heads, to check head-aligned splits
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    hooks: List[object] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+
+# ---- sharding parameters in place --------------------------------------------------------------
+
+def shard_parameter(param: nn.Parameter, layout: Layout, ctx: TPContext, name: str) -> None:
+    """Replaces ``param``'s data by this rank's shard under ``layout`` (the same Parameter object,
+    so a tie to another module holds) and records the layout."""
+    if getattr(param, "tp_layout", None) is not None:
+        if repr(param.tp_layout) != repr(layout):  # a tied parameter reached twice must agree
+            raise PlanError(f"torchpp plan: {name} is sharded twice, as {param.tp_layout!r} and {layout!r}")
+        return
+    try:
+        local = layout.shard(param.detach(), ctx.rank, ctx.size)
+    except ValueError as error:
+        raise PlanError(f"torchpp plan: cannot shard {name} of shape {tuple(param.shape)} over tp={ctx.size}: "
+                        f"{error}") from None
+    with torch.no_grad():
+        param.data = local.clone() if param.is_meta else local.contiguous().clone()
+    param.tp_layout = layout
+    if layout.dim is not None:
+        mark_tensor_parallel(param, partition_dim=layout.dim % param.dim(), group_size=ctx.size)
+    if isinstance(layout, HeadCopies):
+        param.tp_replicas = layout.replicas
+        if ctx.rank % layout.replicas:
+            param.shared_duplicate = True  # the norm counts one copy of each head
+
+
+def full_shape(param: torch.Tensor, ctx: TPContext) -> torch.Size:
+    """The shape of ``param`` before sharding (a tied parameter may have been sharded already)."""
+    layout = getattr(param, "tp_layout", None)
+    return param.shape if layout is None or layout.dim is None else layout.full_shape(param.shape, ctx.size)
+
+
+def sum_grads_over_tp(param: nn.Parameter, ctx: TPContext) -> None:
+    """Marks ``param`` as replicated but applied to rank-local data (sequence slices, its own
+    heads): its gradients arrive partial on each TP rank and ``install_grad_hooks`` sums them
+    before they accumulate, so ``.grad`` is complete after every backward."""
+    param.tp_grad_sum = getattr(param, "tp_grad_sum", None) or "tp"
+    param.tp_layout = getattr(param, "tp_layout", None) or Replicated()
+
+
+def sum_grads_over_copies(param: nn.Parameter, ctx: TPContext) -> None:
+    """Marks a head copied onto ``param.tp_replicas`` consecutive TP ranks: each copy's share of
+    the gradient is summed over its copies (``install_grad_hooks``)."""
+    param.tp_grad_sum = "copies"
+
+
+def install_grad_hooks(module: nn.Module, ctx: TPContext) -> None:
+    """Registers the gradient sums ``sum_grads_over_tp`` and ``sum_grads_over_copies`` marked
+    (after the parameters have their final storage: a hook belongs to a tensor's storage)."""
+    group, rank, size = ctx.group, ctx.rank, ctx.size
+
+    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    def sum_copies(replicas: int):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            slots = grad.new_zeros((size // replicas,) + tuple(grad.shape))
+            slots[rank // replicas] = grad
+            dist.all_reduce(slots, group=group)  # one all-reduce; each rank adds into its head's slot
+            return slots[rank // replicas]
+        return hook
+
+    for param in module.parameters():
+        kind = getattr(param, "tp_grad_sum", None)
+        if kind is None or getattr(param, "_tp_grad_hooked", False):
+            continue
+        hook = all_reduce if kind == "tp" else sum_copies(param.tp_replicas)
+        ctx.hooks.append(param.register_hook(hook))
+        param._tp_grad_hooked = True
+
+
+# ---- TP forwards of linears and embeddings -----------------------------------------------------
+
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], split_bw: bool):
+    if split_bw:  # the weight gradient waits for the pipeline's W pass
+        from torchpp.pipeline.split_linear import split_bw_linear
+
+        return split_bw_linear(input, weight, bias)
+    return F.linear(input, weight, bias)
+
+
+@dataclass
+class LinearTP:
+    """A linear's TP behaviour (``module.tp``)."""
+
+    group: dist.ProcessGroup
+    column: bool  # output features split (else input features)
+    gather_output: bool = False
+    split_input: bool = False
+    out_features: Optional[int] = None  # full width, to trim padding after a gather
+    split_bw: bool = False
+
+
+class TPLinearForward:
+    """The forward of a linear under a TP style (``module.tp`` says which)."""
+
+    tp: LinearTP
+    _splittable = True  # the split op defers the gradient of a leaf weight
+
+    def _tp_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        tp, weight = self.tp, self._tp_weight()
+        split_bw = tp.split_bw and self._splittable
+        if tp.column:
+            output = _linear(ops.copy_to_tp_region(input, tp.group), weight, self.bias, split_bw)
+            if tp.gather_output:
+                output = ops.gather_from_tp_region(output, tp.group, dim=-1)
+                if output.size(-1) != tp.out_features:
+                    output = output[..., : tp.out_features]  # padding rows of an uneven split
+            return output
+        if tp.split_input:
+            input = ops.scatter_to_tp_region(input, tp.group, dim=-1)
+        output = ops.reduce_from_tp_region(_linear(input, weight, None, split_bw), tp.group)
+        return output if self.bias is None else output + self.bias
+
+
+class TPConv1DForward(TPLinearForward):
+    """transformers' Conv1D (weight [in, out]) under a TP style."""
+
+    _splittable = False  # W^T is not a leaf
+
+    def _tp_weight(self) -> torch.Tensor:
+        return self.weight.t()
+
+
+@dataclass
+class EmbeddingTP:
+    group: dist.ProcessGroup
+    vocab_parallel: bool  # rows split (else embedding columns)
+    vocab_start: int = 0
+    vocab_end: int = 0
+
+
+class TPEmbeddingForward:
+    """The forward of an nn.Embedding under a TP style."""
+
+    tp: EmbeddingTP
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if not tp.vocab_parallel:
+            local = F.embedding(input, self.weight, self.padding_idx)
+            return ops.gather_from_tp_region(local, tp.group, dim=-1)
+        outside = (input < tp.vocab_start) | (input >= tp.vocab_end)
+        local_ids = (input - tp.vocab_start).masked_fill(outside, 0)
+        padding = self.padding_idx
+        padding = padding - tp.vocab_start if padding is not None and tp.vocab_start <= padding < tp.vocab_end else None
+        partial = F.embedding(local_ids, self.weight, padding).masked_fill(outside.unsqueeze(-1), 0.0)
+        return ops.reduce_from_tp_region(partial, tp.group)
+
+
+_CLASSES: Dict[Tuple[type, type], type] = {}  # (model's class, TP forward) -> its TP class
+_TP_BASES: Dict[Tuple[type, type], type] = {}  # (nn.Linear / nn.Embedding / Conv1D, TP forward) -> TP base
+
+
+def _calls_super_forward(cls: type, base: type) -> bool:
+    """Whether ``cls`` keeps ``base``'s forward: inherits it, or calls super().forward."""
+    forward = cls.forward
+    if forward is base.forward:
+        return True
+    try:
+        return "super().forward(" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _swap_class(module: nn.Module, tp_forward: type, base: type, name: str, style: str) -> None:
+    """Gives ``module`` a subclass of its own class in which ``base``'s forward is
+    ``tp_forward``'s: a subclass whose forward calls ``super().forward`` (a scaled embedding)
+    keeps its own part, and ``isinstance`` and state-dict names are unchanged."""
+    cls = type(module)
+    if getattr(cls, "_torchpp_tp_class", False):
+        raise PlanError(f"torchpp plan: {name} has two styles; the second is {style!r}")
+    if not _calls_super_forward(cls, base):
+        raise PlanError(f"torchpp plan: style {style!r} on {name}: its class {cls.__name__} computes its own "
+                        f"forward, which the style cannot shard; give it a {base.__name__} forward or leave it "
+                        f"out of the plan")
+    key = (cls, tp_forward)
+    if key not in _CLASSES:
+        tp_base = _TP_BASES.setdefault((base, tp_forward), type(f"TP{base.__name__}", (tp_forward, base), {}))
+        bases = (tp_base,) if cls is base else (cls, tp_base)
+        _CLASSES[key] = type(f"TP{cls.__name__}", bases, {"_torchpp_tp_class": True, "__module__": cls.__module__})
+    module.__class__ = _CLASSES[key]
+
+
+def _conv1d_class():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers is optional
+        return None
+    return Conv1D
+
+
+def _linear_kind(module: nn.Module, name: str, style: str) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return "conv1d"
+    raise PlanError(f"torchpp plan: style {style!r} shards linear layers, but {name} is a {type(module).__name__}")
+
+
+def _out_dim(kind: str) -> int:
+    return 0 if kind == "linear" else 1  # Conv1D stores [in, out]
+
+
+# ---- the styles ---------------------------------------------------------------------------------
+
+class Style:
+    """A TP style. ``apply`` shards a module and gives it its TP forward; ``apply_param`` shards a
+    bare parameter named by the plan (e.g. a fused expert tensor)."""
+
+    name = ""
+
+    def apply(self, module: nn.Module, name: str, ctx: TPContext) -> None:
+        raise PlanError(f"torchpp plan: style {self.name!r} applies to parameters, but {name} is a "
+                        f"{type(module).__name__} module")
+
+    def apply_param(self, module: nn.Module, param_name: str, name: str, ctx: TPContext) -> None:
+        raise PlanError(f"torchpp plan: style {self.name!r} applies to modules, but {name} is a parameter")
+
+
+KEY_VALUE_NAMES = ("k_proj", "v_proj", "key", "value")
+
+
+def _head_layout(out_features: int, dim: int, ctx: TPContext, name: str) -> Layout:
+    """Rows of a column-split projection; key/value heads fewer than the TP ranks are copied
+    onto several ranks each."""
+    t, head_dim = ctx.size, ctx.head_dim
+    is_key_value = name.rpartition(".")[2] in KEY_VALUE_NAMES
+    if is_key_value and head_dim and ctx.num_kv_heads and out_features == ctx.num_kv_heads * head_dim \
+            and ctx.num_kv_heads < t:
+        kv = ctx.num_kv_heads
+        if t % kv:
+            raise PlanError(f"torchpp plan: {name} holds num_key_value_heads={kv} heads, which tp={t} neither "
+                            f"divides nor is a multiple of")
+        return HeadCopies(dim, head_dim, t // kv)
+    if out_features % t:
+        raise PlanError(f"torchpp plan: {name} has {out_features} output features, which tp={t} does not divide")
+    return Split(dim, out_features)
+
+
+class Colwise(Style):
+    name = "colwise"
+
+    def __init__(self, gather_output: bool = False, packed: int = 1):
+        self.gather_output, self.packed = gather_output, packed
+
+    def apply(self, module, name, ctx):
+        kind = _linear_kind(module, name, self.name)
+        dim = _out_dim(kind)
+        out_features = full_shape(module.weight, ctx)[dim]
+        if self.packed > 1:
+            if out_features % self.packed:
+                raise PlanError(f"torchpp plan: {name} ({out_features} output features) is not {self.packed} "
+                                f"equal fused blocks")
+            layout: Layout = Packed(dim, [out_features // self.packed] * self.packed)
+            bias_layout: Layout = Packed(0, layout.blocks)
+        elif self.gather_output:
+            layout, bias_layout = Split(dim, out_features, pad=True), Split(0, out_features, pad=True)
+        else:
+            layout = _head_layout(out_features, dim, ctx, name)
+            bias_layout = (HeadCopies(0, layout.head_dim, layout.replicas) if isinstance(layout, HeadCopies)
+                           else Split(0, out_features))
+        shard_parameter(module.weight, layout, ctx, f"{name}.weight")
+        if module.bias is not None:
+            shard_parameter(module.bias, bias_layout, ctx, f"{name}.bias")
+        copies = isinstance(layout, HeadCopies)
+        for param in (module.weight, module.bias):
+            if copies and param is not None:
+                sum_grads_over_copies(param, ctx)
+        _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
+                    nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
+        # Copies' gradients are summed by a hook, which a deferred (W pass) gradient would skip.
+        # out_features stays the whole layer's, as transformers' own TP keeps it (models read it).
+        module.tp = LinearTP(ctx.group, column=True, gather_output=self.gather_output, out_features=out_features,
+                             split_bw=ctx.split_bw and not copies)
+
+    def apply_param(self, module, param_name, name, ctx):
+        param = getattr(module, param_name)
+        dim = max(param.dim() - 2, 0)
+        if self.packed > 1:
+            layout = Packed(dim, [param.shape[dim] // self.packed] * self.packed)
+        else:
+            layout = Split(dim, param.shape[dim])
+        shard_parameter(param, layout, ctx, name)
+
+
+class Rowwise(Style):
+    name = "rowwise"
+
+    def __init__(self, split_input: bool = False, packed: int = 1):
+        self.split_input, self.packed = split_input, packed
+
+    def apply(self, module, name, ctx):
+        kind = _linear_kind(module, name, self.name)
+        dim = 1 - _out_dim(kind)
+        in_features = full_shape(module.weight, ctx)[dim]
+        if in_features % ctx.size:
+            raise PlanError(f"torchpp plan: {name} has {in_features} input features, which tp={ctx.size} does "
+                            f"not divide")
+        shard_parameter(module.weight, Split(dim, in_features), ctx, f"{name}.weight")
+        if module.bias is not None:
+            shard_parameter(module.bias, Replicated(), ctx, f"{name}.bias")
+        _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
+                    nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
+        module.tp = LinearTP(ctx.group, column=False, split_input=self.split_input, split_bw=ctx.split_bw)
+
+    def apply_param(self, module, param_name, name, ctx):
+        param = getattr(module, param_name)
+        if param_name.endswith("bias"):  # added after the reduction: whole on every rank
+            shard_parameter(param, Replicated(), ctx, name)
+            return
+        if self.packed > 1:
+            layout: Layout = Packed(param.dim() - 1, [param.shape[-1] // self.packed] * self.packed)
+        else:
+            layout = Split(param.dim() - 1, param.shape[-1])
+        shard_parameter(param, layout, ctx, name)
+
+
+class PackedRowwise(Rowwise):
+    name = "packed_rowwise"
+
+    def __init__(self):
+        super().__init__(packed=2)
+
+    def apply(self, module, name, ctx):
+        raise PlanError(f"torchpp plan: style 'packed_rowwise' applies to fused parameters, but {name} is a "
+                        f"{type(module).__name__} module")
+
+
+class Embedding(Style):
+    name = "embedding_rowwise"
+
+    def __init__(self, vocab_parallel: bool = True):
+        self.vocab_parallel = vocab_parallel
+
+    def apply(self, module, name, ctx):
+        if not isinstance(module, nn.Embedding):
+            raise PlanError(f"torchpp plan: style {self.name!r} shards embeddings, but {name} is a "
+                            f"{type(module).__name__}")
+        if module.max_norm is not None or module.sparse:
+            raise PlanError(f"torchpp plan: {name}: max_norm and sparse embeddings are not sharded")
+        rows, cols = full_shape(module.weight, ctx)
+        if self.vocab_parallel:
+            shard_parameter(module.weight, Split(0, rows, pad=True), ctx, f"{name}.weight")
+            per_rank = module.weight.shape[0]
+            tp = EmbeddingTP(ctx.group, True, ctx.rank * per_rank, (ctx.rank + 1) * per_rank)
+        else:
+            if cols % ctx.size:
+                raise PlanError(f"torchpp plan: {name} has embedding dim {cols}, which tp={ctx.size} does not divide")
+            shard_parameter(module.weight, Split(1, cols), ctx, f"{name}.weight")
+            tp = EmbeddingTP(ctx.group, False)
+        _swap_class(module, TPEmbeddingForward, nn.Embedding, name, self.name)
+        module.tp = tp
+
+
+class ReplicatedWithGradAllReduce(Style):
+    name = "replicated_with_grad_allreduce"
+
+    def apply(self, module, name, ctx):
+        for param_name, param in module.named_parameters():
+            if param.requires_grad:
+                sum_grads_over_tp(param, ctx)
+
+    def apply_param(self, module, param_name, name, ctx):
+        sum_grads_over_tp(getattr(module, param_name), ctx)
+
+
+def _first_arg_hook(transform: Callable[[torch.Tensor], torch.Tensor], names=("hidden_states",)):
+    """A forward pre-hook applying ``transform`` to the first positional argument (or the first
+    of ``names`` given by keyword)."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (transform(args[0]),) + tuple(args[1:]), kwargs
+        for key in names:
+            if key in kwargs:
+                return args, {**kwargs, key: transform(kwargs[key])}
+        return None
+
+    return hook
+
+
+def _map_first_output(transform: Callable[[torch.Tensor], torch.Tensor]):
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return transform(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (transform(output[0]),) + output[1:]
+        return None
+
+    return hook
+
+
+class MoeExperts(Style):
+    """Each rank runs its slice of every expert (the parameter entries split them): the tokens and
+    routing weights enter through f, the partial outputs are summed (g)."""
+
+    name = "moe_tp_experts"
+
+    def apply(self, module, name, ctx):
+        group = ctx.group
+
+        def inputs(module, args, kwargs):
+            args = list(args)
+            if "hidden_states" in kwargs:
+                kwargs = {**kwargs, "hidden_states": ops.copy_to_tp_region(kwargs["hidden_states"], group)}
+            elif args:
+                args[0] = ops.copy_to_tp_region(args[0], group)
+            for position, key in ((2, "top_k_weights"), (2, "routing_weights")):
+                if key in kwargs:
+                    kwargs = {**kwargs, key: ops.copy_to_tp_region(kwargs[key], group)}
+                    break
+            else:
+                if len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].is_floating_point():
+                    args[2] = ops.copy_to_tp_region(args[2], group)
+            return tuple(args), kwargs
+
+        ctx.hooks.append(module.register_forward_pre_hook(inputs, with_kwargs=True))
+        ctx.hooks.append(module.register_forward_hook(_map_first_output(lambda y: ops.reduce_from_tp_region(y, group))))
+
+
+class MoeIdentityExpert(Style):
+    """An identity expert inside ``moe_tp_experts`` returns the same on every rank, which the
+    experts' sum would count tp times: its input is divided by the TP size first."""
+
+    name = "moe_identity_expert"
+
+    def apply(self, module, name, ctx):
+        size = ctx.size
+        ctx.hooks.append(module.register_forward_pre_hook(_first_arg_hook(lambda x: x / size), with_kwargs=True))
+
+
+class AllReduce(Style):
+    name = "all_reduce"
+
+    def apply(self, module, name, ctx):
+        group = ctx.group
+        ctx.hooks.append(module.register_forward_hook(_map_first_output(lambda y: ops.reduce_from_tp_region(y, group))))
+
+
+class MlaKvAProj(Style):
+    """DeepSeek-V2-style MLA: ``kv_a_proj_with_mqa``'s output is [latent | rotary key]; the latent
+    part feeds a column-parallel projection (its f sums the gradient), the rotary part goes to
+    attention directly, so it gets an f of its own."""
+
+    name = "mla_kv_a_proj"
+
+    def __init__(self, rope_dim: Optional[int] = None):
+        self.rope_dim = rope_dim
+
+    def apply(self, module, name, ctx):
+        rope_dim, group = self.rope_dim, ctx.group
+        if rope_dim is None:
+            raise PlanError(f"torchpp plan: {name}: style 'mla_kv_a_proj' needs the config's qk_rope_head_dim")
+
+        def split(y: torch.Tensor) -> torch.Tensor:
+            latent, rope = y.split([y.size(-1) - rope_dim, rope_dim], dim=-1)
+            return torch.cat([latent, ops.copy_to_tp_region(rope, group)], dim=-1)
+
+        ctx.hooks.append(module.register_forward_hook(_map_first_output(split)))
+
+
+class Unchanged(Style):
+    """Parameters are plain local tensors here, so a module that only needs its sharded
+    parameters as local tensors (transformers' ``local_params``) runs as it is."""
+
+    name = "local_params"
+
+    def apply(self, module, name, ctx):
+        pass
+
+    def apply_param(self, module, param_name, name, ctx):
+        pass
+
+
+def _named(style: Style, name: str) -> Style:
+    style.name = name
+    return style
+
+
+STYLES: Dict[str, Style] = {
+    "colwise": _named(Colwise(), "colwise"),
+    "colwise_rep": _named(Colwise(gather_output=True), "colwise_rep"),
+    "colwise_gather_output": _named(Colwise(gather_output=True), "colwise_gather_output"),
+    "packed_colwise": _named(Colwise(packed=2), "packed_colwise"),
+    "packed3_colwise": _named(Colwise(packed=3), "packed3_colwise"),  # torchpp's: fused q, k, v (GPT-2)
+    "rowwise": _named(Rowwise(), "rowwise"),
+    "rowwise_split_input": _named(Rowwise(split_input=True), "rowwise_split_input"),
+    "rowwise_rep": _named(Rowwise(split_input=True), "rowwise_rep"),
+    "packed_rowwise": PackedRowwise(),
+    "embedding_rowwise": _named(Embedding(vocab_parallel=True), "embedding_rowwise"),
+    "embedding_colwise": _named(Embedding(vocab_parallel=False), "embedding_colwise"),
+    "replicated_with_grad_allreduce": ReplicatedWithGradAllReduce(),
+    "moe_tp_experts": MoeExperts(),
+    "moe_identity_expert": MoeIdentityExpert(),
+    "mla_kv_a_proj": MlaKvAProj(),
+    "all_reduce": AllReduce(),
+    "local_params": Unchanged(),
+    "replicate": _named(Unchanged(), "replicate"),
+}
+
+
+def get_style(name: str, where: str, config=None) -> Style:
+    """The style registered as ``name`` (a clear error naming the plan entry otherwise)."""
+    if name == "mla_kv_a_proj" and config is not None:
+        return MlaKvAProj(getattr(config, "qk_rope_head_dim", None))
+    if name not in STYLES:
+        raise PlanError(f"torchpp plan: unknown style {name!r} for {where}; known styles: {sorted(STYLES)}")
+    return STYLES[name]

@@ -1,0 +1,234 @@
+"""Checks that a parallelized model equals the unwrapped one: loss, logits, every gradient and
+one SGD step, in float64. Run on every rank of an initialised process group (tests, the model
+sweep); each raises AssertionError naming what differs and by how much.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchpp
+from torchpp.models import parallelize
+from torchpp.testing.tiny_models import tiny_model
+
+import contextlib
+import functools
+
+RTOL, ATOL = 1e-9, 1e-10
+BATCH, SEQ = 4, 16
+LR = 0.1
+
+
+@contextlib.contextmanager
+def float64_throughout():
+    """Keeps float64 tensors float64 where a model casts to float32 on purpose (norms computed in
+    float32, routers' softmax, transformers' loss): with those casts every ordering of the work
+    (microbatches, shards) rounds differently at float32's 1e-7, and a float64 comparison
+    would measure that instead of the parallelization. Both models run under it."""
+    def keeps(dtype) -> bool:
+        return dtype in (torch.float32, torch.float)
+
+    original_float, original_to, original_type = torch.Tensor.float, torch.Tensor.to, torch.Tensor.type
+    originals = {name: getattr(torch.nn.functional, name) for name in ("softmax", "log_softmax")}
+
+    # A cast to float32 becomes one to float64 (float32 parameters a model keeps, e.g. a
+    # router's, are cast up where the model casts them).
+    def float_(self, *args, **kwargs):
+        return original_to(self, torch.float64) if self.is_floating_point() else original_float(self, *args, **kwargs)
+
+    def to(self, *args, **kwargs):
+        if self.is_floating_point():
+            dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
+            if keeps(dtype):
+                args = tuple(torch.float64 if isinstance(a, torch.dtype) else a for a in args)
+                kwargs = {**kwargs, "dtype": torch.float64} if "dtype" in kwargs else kwargs
+        return original_to(self, *args, **kwargs)
+
+    def type_(self, dtype=None, *args, **kwargs):
+        if self.is_floating_point() and (keeps(dtype) or dtype in ("torch.FloatTensor", "torch.float32")):
+            return original_to(self, torch.float64)
+        return original_type(self, dtype, *args, **kwargs) if dtype is not None else original_type(self)
+
+    def with_dtype(function):
+        @functools.wraps(function)
+        def wrapped(input, *args, dtype=None, **kwargs):
+            if keeps(dtype):
+                dtype = torch.float64
+            return function(input, *args, dtype=dtype, **kwargs)
+        return wrapped
+
+    torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = float_, to, type_
+    for name, function in originals.items():
+        setattr(torch.nn.functional, name, with_dtype(function))
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = original_float, original_to, original_type
+        for name, function in originals.items():
+            setattr(torch.nn.functional, name, function)
+
+
+def exact_causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, **kwargs):
+    """transformers' ForCausalLMLoss in the logits' own dtype (it computes in float32, which
+    would cap a float64 comparison at float32's precision)."""
+    targets = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logits = logits[..., : vocab_size or logits.size(-1)]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                             ignore_index=ignore_index, reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def batch(vocab: int, seed: int = 7, batch_size: int = BATCH, seq_len: int = SEQ):
+    """Random ids and their labels (one ignored), the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    labels = ids.clone()
+    labels[0, 2] = -100
+    return ids, labels
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal to float64 precision (rtol 1e-9); a tensor a model keeps in float32 (a router's
+    weight and its gradient) to float32's (rtol 1e-5)."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    single = torch.float32 in (actual.dtype, expected.dtype)
+    rtol, atol = (1e-5, 1e-7) if single else (RTOL, ATOL)
+    actual, expected = actual.detach().double(), expected.detach().double()
+    # atol scales with the tensor, so entries that cancel to ~0 are judged against its magnitude.
+    atol = atol * max(1.0, expected.abs().max().item()) if expected.numel() else atol
+    if not torch.allclose(actual, expected, rtol=rtol, atol=atol):
+        worst = (actual - expected).abs().max().item()
+        raise AssertionError(f"{what}: max abs difference {worst:.3e} (scale {expected.abs().max().item():.3e})")
+
+
+class _Probe(nn.Module):
+    """A fixed projection of a base model's hidden states to a scalar loss (models without a head)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.register_buffer("direction", torch.randn(hidden, generator=g, dtype=torch.float64))
+
+    def forward(self, hidden: torch.Tensor, target=None) -> torch.Tensor:
+        return (hidden.double() * self.direction).sum(-1).pow(2).mean()
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    return model.get_output_embeddings() is not None
+
+
+def _reference(model: nn.Module, ids, labels):
+    """(loss, logits or hidden states, {name: grad}) of the unwrapped model."""
+    if _is_causal_lm(model):
+        model.loss_function = exact_causal_lm_loss
+        out = model(input_ids=ids, labels=labels, use_cache=False)
+        loss, output = out.loss, out.logits
+    else:
+        out = model(input_ids=ids, use_cache=False)
+        output = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        loss = _Probe(output.size(-1))(output)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    return loss.detach(), output.detach(), grads
+
+
+def _sgd(params) -> None:
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-LR)
+
+
+def _compare_grads(wrapped, reference_grads: Dict[str, torch.Tensor], what: str) -> int:
+    grads = wrapped.full_state_dict(grads=True)
+    compared = 0
+    for name, grad in grads.items():
+        expected = reference_grads.get(name)
+        if expected is None:
+            if grad.abs().max() > 0:
+                raise AssertionError(f"{what}: {name} has a gradient the unwrapped model's parameter lacks")
+            continue
+        assert_close(grad, expected, f"{what} grad of {name}")
+        compared += 1
+    if not compared:
+        raise AssertionError(f"{what}: no gradient compared")
+    return compared
+
+
+def _compare_values(wrapped, reference: nn.Module, what: str) -> None:
+    values = wrapped.full_state_dict()
+    expected = dict(reference.named_parameters(remove_duplicate=False))
+    for name, value in values.items():
+        assert_close(value, expected[name], f"{what} value of {name} after one SGD step")
+
+
+def check_tp(model_type: str, tp: int = 2, *, sequence_parallel: bool = False, **extra) -> str:
+    """tp ranks (pp=1): the wrapped model called as before returns the same loss and full
+    logits; its gradients and one SGD step equal the unwrapped model's."""
+    with float64_throughout():
+        return _check_tp(model_type, tp, sequence_parallel, **extra)
+
+
+def _check_tp(model_type: str, tp: int, sequence_parallel: bool, **extra) -> str:
+    state = torchpp.init_parallel(tp=tp, pp=1)
+    model = tiny_model(model_type, **extra)
+    reference = copy.deepcopy(model)
+    ids, labels = batch(model.config.get_text_config().vocab_size)
+    ref_loss, ref_output, ref_grads = _reference(reference, ids, labels)
+    _sgd(reference.parameters())
+    wrapped = parallelize(model, state=state, sequence_parallel=sequence_parallel)
+    what = f"{model_type} tp={tp}{' sp' if sequence_parallel else ''}"
+    if _is_causal_lm(model):
+        wrapped.loss_function = exact_causal_lm_loss
+        out = wrapped(input_ids=ids, labels=labels, use_cache=False)
+        loss, output = out.loss, out.logits
+    else:
+        out = wrapped(input_ids=ids, use_cache=False)
+        output = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        loss = _Probe(output.size(-1))(output)
+    assert_close(loss, ref_loss, f"{what} loss")
+    assert_close(output, ref_output, f"{what} {'logits' if _is_causal_lm(model) else 'hidden states'}")
+    loss.backward()
+    compared = _compare_grads(wrapped, ref_grads, what)
+    _sgd(wrapped.parameters())
+    _compare_values(wrapped, reference, what)
+    sharded = sum(1 for p in wrapped.parameters() if getattr(p, "tensor_model_parallel", False))
+    return f"loss {loss.item():.6f}, {compared} grads, {sharded} sharded"
+
+
+def check_pp(model_type: str, pp: int = 2, schedule: str = "zb-h1", n_microbatches: int = 4, tp: int = 1,
+             **extra) -> str:
+    """pp (x tp) ranks: ``step`` over the pipeline gives the unwrapped model's loss (on the last
+    stage) and gradients, and one SGD step its values."""
+    with float64_throughout():
+        return _check_pp(model_type, pp, schedule, n_microbatches, tp, **extra)
+
+
+def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: int, **extra) -> str:
+    state = torchpp.init_parallel(tp=tp, pp=pp)
+    model = tiny_model(model_type, **extra)
+    reference = copy.deepcopy(model)
+    ids, labels = batch(model.config.get_text_config().vocab_size)
+    ref_loss, _, ref_grads = _reference(reference, ids, labels)
+    _sgd(reference.parameters())
+    causal = _is_causal_lm(model)
+    probe = None if causal else _Probe(model.config.get_text_config().hidden_size)
+    wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state,
+                          loss_fn=None if causal else probe)
+    what = f"{model_type} pp={pp} tp={tp} {schedule}"
+    if causal:
+        loss = wrapped.step(ids if wrapped.has_first_stage else None, labels if wrapped.has_last_stage else None)
+    else:
+        loss = wrapped.step(ids if wrapped.has_first_stage else None, target=labels)
+    if wrapped.has_last_stage:
+        assert_close(loss, ref_loss, f"{what} loss")
+    compared = _compare_grads(wrapped, ref_grads, what)
+    _sgd(wrapped.parameters())
+    _compare_values(wrapped, reference, what)
+    return f"{compared} grads on this rank" + (f", loss {loss.item():.6f}" if loss is not None else "")
