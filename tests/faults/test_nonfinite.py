@@ -25,7 +25,7 @@ from torchpp.parallel.nonfinite import NonFiniteGradientError
 ROWS, SEQ, VOCAB, LR, M = 8, 8, 64, 1e-2, 2
 TIMEOUT = 150
 BOUND_S = 60  # from the first bad step to its outcome (skips, then the error) on every rank
-EMBEDDING = "stages.0.embedding.tokens.weight"  # rank 0's first parameter: where the NaN is planted
+EMBEDDING = "model.embed_tokens.weight"  # rank 0's first parameter: where the NaN is planted
 # Bad steps (True): two skips, a good step resets the count, then three skips raise (skip_limit=3).
 PLAN = [False, True, True, False, True, True, True]
 
@@ -97,10 +97,9 @@ def check_skips_then_error(layout, options, where):
     gradient) or on the last stage (where="loss": into the final norm's output). Returns, per
     step, what this rank saw, then the error and how long the bad steps took."""
     state, model, optimizer = _build(layout, skip_limit=3, **options)
-    module = model.stages[0].embedding if where == "grad" else model.stages[-1].head
     planter = None
     if (where == "grad" and dist.get_rank() == 0) or (where == "loss" and model.has_last_stage):
-        planter = Planter(module if where == "grad" else module.norm, where)
+        planter = Planter(model.model.embed_tokens if where == "grad" else model.model.norm, where)
     seen, message, first_bad = [], None, None
     for step, bad in enumerate(PLAN):
         if planter is not None:
@@ -180,7 +179,7 @@ def check_post_validation(plan, post_validate):
     ``plan``; post-validation re-runs a batch whose update it undid. Returns what each step
     settled and this rank's final parameters, or the error."""
     state, model, optimizer = _build(dict(pp=2), max_norm=1.0, skip_limit=3, post_validate=post_validate)
-    planter = Planter(model.stages[0].embedding, "grad") if dist.get_rank() == 0 else None
+    planter = Planter(model.model.embed_tokens, "grad") if dist.get_rank() == 0 else None
     seen, message, start = [], None, time.monotonic()
     try:
         for step, bad in enumerate(plan):
