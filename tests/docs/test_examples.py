@@ -126,6 +126,10 @@ def test_example_trains_and_writes_its_trace(tmp_path, script):
     trace = json.loads((out / "trace.json").read_text())
     assert {event["pid"] for event in trace["traceEvents"]} == {0, 1, 2, 3}  # every rank's timeline, one file
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if script == "train_llama.py":  # the measured bubble next to the simulator's from the measured costs
+        assert re.search(r"measured bubble ratio \(last step\) [\d.]+; simulator from the measured per-stage "
+                         r"costs [\d.]+ \(ms per stage: F [\d.]+ I [\d.]+ W [\d.]+", output), output[-2000:]
+        assert "\r" not in output, output[-2000:]  # no bar redrawn over the step lines in a log
 
 
 def test_llama_demo_saves_a_checkpoint_it_can_start_from(tmp_path):
