@@ -21,6 +21,14 @@ assert transformers.__version__ == '$TRANSFORMERS_VERSION'" 2>/dev/null; then
     ninja pytest pytest-timeout
 fi
 
+# megatron-core for the Megatron drop-in's tests: 0.16.x is the newest release for Python 3.11
+# (0.17+ need 3.12); it depends only on numpy, packaging and torch (pinned to the installed one).
+MEGATRON_CORE_VERSION=0.16.1
+if ! "$PYTHON" -c "import importlib.metadata as m; assert m.version('megatron-core') == '$MEGATRON_CORE_VERSION'" \
+    2>/dev/null; then
+  "$PYTHON" -m pip install -q --no-build-isolation "torch==${TORCH_VERSION}" "megatron-core==${MEGATRON_CORE_VERSION}"
+fi
+
 # ccache through a one-line wrapper: torch's ninja writer takes CXX as a single program.
 if [ -z "${CXX:-}" ] && command -v ccache >/dev/null 2>&1; then
   mkdir -p "$TORCHPP_ROOT/build/ccache"

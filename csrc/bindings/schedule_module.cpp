@@ -80,20 +80,24 @@ PYBIND11_MODULE(_schedule, m) {
   m.def(
       "generate",
       [](const std::string& name, int num_ranks, int num_microbatches, int num_chunks, double f,
-         double i, double w, double comm, double memory_limit, int microbatch_group_size) {
+         double i, double w, double comm, double memory_limit, int microbatch_group_size, double activation,
+         double weight_pending, const std::string& objective) {
         GenerateOptions o;
         o.num_ranks = num_ranks;
         o.num_microbatches = num_microbatches;
         o.num_chunks = num_chunks;
         o.costs = make_costs(f, i, w, comm, {}, {}, {});
         o.memory_limit = memory_limit;
+        o.memory = MemoryUnits{activation, weight_pending};
+        o.objective = objective;
         o.microbatch_group_size = microbatch_group_size;
         py::gil_scoped_release release;
         return generate(name, o);
       },
       py::arg("name"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("num_chunks") = 0,
       py::arg("f") = 1.0, py::arg("i") = 1.0, py::arg("w") = 1.0, py::arg("comm") = 0.0,
-      py::arg("memory_limit") = 0.0, py::arg("microbatch_group_size") = 0);
+      py::arg("memory_limit") = 0.0, py::arg("microbatch_group_size") = 0, py::arg("activation") = 1.0,
+      py::arg("weight_pending") = 0.5, py::arg("objective") = "makespan");
   m.def("from_csv", &from_csv, py::arg("text"), py::arg("num_ranks"), py::arg("num_microbatches"),
         py::arg("num_pipelines") = 0);
 
@@ -144,7 +148,7 @@ PYBIND11_MODULE(_schedule, m) {
       },
       py::arg("schedule"), py::arg("f") = 1.0, py::arg("i") = 1.0, py::arg("w") = 1.0, py::arg("comm") = 0.0,
       py::arg("stage_f") = std::vector<double>{}, py::arg("stage_i") = std::vector<double>{},
-      py::arg("stage_w") = std::vector<double>{}, py::arg("activation") = 1.0, py::arg("weight_pending") = 0.0);
+      py::arg("stage_w") = std::vector<double>{}, py::arg("activation") = 1.0, py::arg("weight_pending") = 0.5);
   m.def("chrome_trace_json", &chrome_trace_json, py::arg("schedule"), py::arg("simulation"),
         py::arg("microseconds_per_unit") = 1000.0);
 

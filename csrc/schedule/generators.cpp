@@ -3,6 +3,7 @@
 #include <functional>
 #include <algorithm>
 #include <map>
+#include <sstream>
 
 #include "schedule/errors.h"
 #include "schedule/generators_impl.h"
@@ -39,6 +40,25 @@ int interleaved_group(const std::string& name, const GenerateOptions& o) {
                      values(o) + ", microbatch_group_size=" + std::to_string(group));
   }
   return group;
+}
+
+std::string format(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+// The searched generators weigh activations by M_B > 0 and pending W's by M_W >= 0, and
+// minimize the makespan or the span first; returns whether the span.
+bool check_search_options(const std::string& name, const GenerateOptions& o) {
+  const MemoryUnits& u = o.memory;
+  if (!(u.activation > 0) || !(u.weight_pending >= 0)) {
+    constraint_error(name, "M_B > 0 and M_W >= 0", "M_B=" + format(u.activation) + ", M_W=" + format(u.weight_pending));
+  }
+  if (o.objective != "makespan" && o.objective != "span") {
+    constraint_error(name, "objective \"makespan\" or \"span\"", "objective=\"" + o.objective + "\"");
+  }
+  return o.objective == "span";
 }
 
 using Generator = std::function<Schedule(const GenerateOptions&)>;
@@ -78,15 +98,24 @@ const std::map<std::string, Generator>& registry() {
        }},
       {"zb-auto", [](const GenerateOptions& o) {
          require_chunks("zb-auto", o, 1);
-         double limit = o.memory_limit > 0 ? o.memory_limit : o.num_ranks;
-         if (limit < 1) constraint_error("zb-auto", "memory_limit >= 1 (one activation in flight per rank)", "memory_limit=" + std::to_string(limit));
-         return detail::zb_auto(o.num_ranks, o.num_microbatches, o.costs, limit);
+         bool span_first = check_search_options("zb-auto", o);
+         double limit = o.memory_limit > 0 ? o.memory_limit : o.num_ranks * o.memory.activation;
+         double least = std::max(o.memory.activation, o.memory.weight_pending);
+         if (limit < least) {
+           constraint_error("zb-auto", "memory_limit >= max(M_B, M_W) = " + format(least) + " (one microbatch in flight per rank)",
+                            "memory_limit=" + format(limit));
+         }
+         return detail::zb_auto(o.num_ranks, o.num_microbatches, o.costs, o.memory, limit, span_first);
        }},
       {"zb-v", [](const GenerateOptions& o) {
          require_chunks("zb-v", o, 2);
-         double limit = o.memory_limit > 0 ? o.memory_limit : 2.0 * o.num_ranks;
-         if (limit < 2) constraint_error("zb-v", "memory_limit >= 2 (both stages of a rank in flight)", "memory_limit=" + std::to_string(limit));
-         return detail::zb_v(o.num_ranks, o.num_microbatches, o.costs, limit);
+         bool span_first = check_search_options("zb-v", o);
+         double limit = o.memory_limit > 0 ? o.memory_limit : 2.0 * o.num_ranks * o.memory.activation;
+         if (limit < 2 * o.memory.activation) {
+           constraint_error("zb-v", "memory_limit >= 2 M_B = " + format(2 * o.memory.activation) + " (both stages of a rank in flight)",
+                            "memory_limit=" + format(limit));
+         }
+         return detail::zb_v(o.num_ranks, o.num_microbatches, o.costs, o.memory, limit, span_first);
        }},
       {"dualpipe", [](const GenerateOptions& o) {
          require_chunks("dualpipe", o, 2);

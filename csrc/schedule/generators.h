@@ -14,7 +14,13 @@ struct GenerateOptions {
   int num_microbatches = 1;
   int num_chunks = 0;             // stages per rank; 0 picks the schedule's default
   Costs costs;                    // pass costs, used by the cost-aware generators (zb-auto, zb-v)
-  double memory_limit = 0.0;      // zb-auto/zb-v: max in-flight activations per rank (M_B units); 0 = default
+  // zb-auto/zb-v: most memory per rank, M_B (memory.activation) per activation held from F to I
+  // plus M_W (memory.weight_pending) per W pending from I to W; 0 = default (p M_B, zb-v 2p M_B).
+  double memory_limit = 0.0;
+  MemoryUnits memory;             // M_B = 1, M_W = 1/2 unless set (the zero-bubble paper's estimate)
+  // zb-auto/zb-v: what the search minimizes first, "makespan" (one step with an optimizer
+  // barrier) or "span" (the longest rank span: steps back to back, the paper's objective).
+  std::string objective = "makespan";
   int microbatch_group_size = 0;  // interleaved-1f1b/-zb: microbatches per depth-first group; 0 = p
 };
 

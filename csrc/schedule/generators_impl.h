@@ -18,8 +18,10 @@ Schedule interleaved_zero_bubble(int p, int m, int v, int group_size);
 Schedule looped_bfs(int p, int m, int v);
 
 // Cost- and memory-aware list scheduling (greedy.cpp), searched over its hyperparameters.
-Schedule zb_auto(int p, int m, const Costs& costs, double memory_limit);
-Schedule zb_v(int p, int m, const Costs& costs, double memory_limit);
+// memory_limit bounds M_B per activation plus M_W per pending W on each rank (greedy.h); the
+// kept schedule has the shortest makespan, or the shortest longest rank span if span_first.
+Schedule zb_auto(int p, int m, const Costs& costs, const MemoryUnits& memory, double memory_limit, bool span_first);
+Schedule zb_v(int p, int m, const Costs& costs, const MemoryUnits& memory, double memory_limit, bool span_first);
 
 // DeepSeek's bidirectional schedules.
 Schedule dualpipe(int p, int m);

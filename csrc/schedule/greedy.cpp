@@ -1,6 +1,7 @@
 #include "schedule/greedy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <limits>
 #include <queue>
@@ -21,11 +22,13 @@ class ListScheduler {
         f_end_(s.num_stages, std::vector<double>(m_, -1)),
         i_end_(s.num_stages, std::vector<double>(m_, -1)),
         next_f_(s.num_stages, 0), next_i_(s.num_stages, 0),
-        free_at_(p_, 0.0), bubble_(p_, 0.0), held_(p_, 0), started_(p_, false),
-        pending_w_(p_), stages_(p_) {
+        free_at_(p_, 0.0), bubble_(p_, 0.0), memory_(p_, 0.0), held_(p_, 0), cap_(p_),
+        started_(p_, false), pending_w_(p_), stages_(p_) {
+    int most = static_cast<int>(std::floor(policy.memory_limit / policy.memory.activation + kEps));
     for (int r = 0; r < p_; r++) {
       stages_[r] = s.stages_of_rank(r);
       remaining_ += static_cast<long>(stages_[r].size()) * m_ * 3;
+      cap_[r] = std::max(1, most - policy.activation_taper * r);
     }
   }
 
@@ -72,9 +75,42 @@ class ListScheduler {
     return ready;
   }
 
+  // Stages of rank r deeper than `stage` with forwards left and no activation held: without
+  // room for their next F, a rank full of shallower activations waits for itself.
+  int deeper_stages_waiting(int r, int stage) const {
+    int waiting = 0;
+    for (int st : stages_[r]) waiting += st > stage && next_f_[st] < m_ && next_f_[st] == next_i_[st];
+    return waiting;
+  }
+
+  // Whether rank r stays within the memory limit after a change of `delta`.
+  bool fits(int r, double delta) const { return memory_[r] + delta <= policy_.memory_limit + kEps; }
+  double change(ActionType type) const {
+    const MemoryUnits& u = policy_.memory;
+    return type == ActionType::F ? u.activation : type == ActionType::I ? u.weight_pending - u.activation
+                                                                        : -u.weight_pending;
+  }
+
+  // Bubbles only grow: the two largest are kept as they change, for the short-gap rule.
+  void add_bubble(int r, double idle) {
+    bubble_[r] += idle;
+    if (r == worst_) return;
+    if (bubble_[r] > bubble_[worst_]) {
+      runner_up_ = worst_;
+      worst_ = r;
+    } else if (runner_up_ < 0 || bubble_[r] > bubble_[runner_up_]) {
+      runner_up_ = r;
+    }
+  }
+  double worst_bubble_besides(int r) const {
+    int q = r == worst_ ? runner_up_ : worst_;
+    return q < 0 ? 0.0 : bubble_[q];
+  }
+
   void emit(int r, double now, Action a) {
     double cost = costs_.cost(a.type, a.stage);
-    if (started_[r]) bubble_[r] += now - free_at_[r];
+    memory_[r] += change(a.type);
+    if (started_[r]) add_bubble(r, now - free_at_[r]);
     started_[r] = true;
     s_.actions[r].push_back(a);
     free_at_[r] = now + cost;
@@ -103,6 +139,14 @@ class ListScheduler {
         i_ready = t;
       }
     }
+    if (i_stage >= 0 && !fits(r, change(ActionType::I))) {
+      // M_W > M_B: the I itself needs room; without a W to free some, this setting is stuck
+      if (pending_w_[r].empty()) return;
+      Action w = pending_w_[r].front();
+      pending_w_[r].pop_front();
+      emit(r, now, w);
+      return;
+    }
     if (i_stage >= 0) {
       int mb = next_i_[i_stage]++;
       emit(r, now, {i_stage, ActionType::I, mb});
@@ -111,8 +155,12 @@ class ListScheduler {
       pending_w_[r].push_back({i_stage, ActionType::W, mb});
       return;
     }
-    // Candidate forward: deepest ready stage, within the memory limit.
-    bool memory_full = held_[r] + 1 > policy_.memory_limit + kEps;
+    // Candidate forward: deepest ready stage, within the memory limit and the rank's
+    // activation cap (the taper); a W frees memory, not activations. Where M_W > M_B the F
+    // leaves room for its I too, so a rank never holds activations it cannot backpropagate.
+    double room = std::max(policy_.memory.activation, policy_.memory.weight_pending);
+    bool memory_full = !fits(r, room), room_reserved = false;
+    bool capped = held_[r] >= cap_[r];
     int f_stage = -1;
     double f_known = kNever;
     bool forwards_left = false;
@@ -120,7 +168,11 @@ class ListScheduler {
       double t = forward_ready(st, r);
       if (t < 0) continue;
       forwards_left = true;
-      if (memory_full) continue;
+      if (memory_full || capped) continue;
+      if (policy_.reserve_deeper_stages && !fits(r, room + policy_.memory.activation * deeper_stages_waiting(r, st))) {
+        room_reserved = true;
+        continue;
+      }
       f_known = std::min(f_known, t);
       if (t <= now + kEps && (f_stage < 0 || st > f_stage)) f_stage = st;
     }
@@ -150,14 +202,10 @@ class ListScheduler {
     bool backwards_left = false;
     for (int st : stages_[r]) backwards_left |= next_i_[st] < m_;
     double gap = (forward_withheld ? i_known : std::min(i_known, f_known)) - now;
-    bool fill = memory_full || (!forwards_left && !backwards_left) ||
+    bool fill = memory_full || room_reserved || (!forwards_left && !backwards_left) ||
                 gap >= costs_.cost(ActionType::W, pending.front().stage) - kEps;
     if (!fill && policy_.weight_fills_short_gaps) {
-      double worst_other = 0.0;
-      for (int q = 0; q < p_; q++) {
-        if (q != r) worst_other = std::max(worst_other, bubble_[q]);
-      }
-      fill = bubble_[r] + gap >= worst_other;
+      fill = bubble_[r] + gap >= worst_bubble_besides(r);
     }
     if (!fill) return;
     Action w = pending.front();
@@ -171,8 +219,9 @@ class ListScheduler {
   const int p_, m_;
   std::vector<std::vector<double>> f_end_, i_end_;
   std::vector<int> next_f_, next_i_;
-  std::vector<double> free_at_, bubble_;
-  std::vector<int> held_;
+  std::vector<double> free_at_, bubble_, memory_;
+  std::vector<int> held_, cap_;
+  int worst_ = 0, runner_up_ = -1;  // ranks with the largest and second largest bubble
   std::vector<bool> started_;
   std::vector<std::deque<Action>> pending_w_;
   std::vector<std::vector<int>> stages_;

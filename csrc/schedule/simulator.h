@@ -21,10 +21,12 @@ struct Costs {
 };
 
 // Memory held per microbatch-stage: `activation` (M_B) from the start of F until the end of
-// its I (or B); `weight_pending` (M_W) from the end of I until the end of its W.
+// its I (or B); `weight_pending` (M_W) from the end of I until the end of its W. Default
+// M_W = M_B / 2, the ratio the zero-bubble paper's scheduler assumes; per layer M_B = sb(34h+5as)
+// and M_W = 32sbh (SPEC.md section 3), so the true ratio runs from ~0.9 (short s) to ~0.3.
 struct MemoryUnits {
   double activation = 1.0;
-  double weight_pending = 0.0;
+  double weight_pending = 0.5;
 };
 
 struct TimedAction {

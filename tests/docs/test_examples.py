@@ -101,6 +101,19 @@ def test_ptdp_page_checkpoint_example_reloads_what_it_trained(tmp_path):
         "model.safetensors.index.json"]
 
 
+def test_megatron_page_example_matches_megatrons_schedule():
+    script = os.path.join(ROOT, "megatron_zb_doc_example.py")  # run from the root: it imports the test shim
+    with open(script, "w") as f:
+        f.write(python_block("megatron.md", "`megatron_zb.py`"))
+    try:
+        out = run([script], ROOT, nproc=4)
+    finally:
+        os.remove(script)
+    lines = {line.split(" losses ")[0].strip(): line.split(" losses ")[1] for line in out.splitlines() if " losses " in line}
+    assert set(lines) == {"megatron 1f1b", "torchpp zb-h1"}, out
+    assert lines["megatron 1f1b"] == lines["torchpp zb-h1"], lines
+
+
 def test_tensor_parallel_page_example_runs(tmp_path):
     (tmp_path / "this.py").write_text(python_block("tensor_parallel.md", "torchrun --nproc-per-node 2 this.py"))
     run(["this.py"], tmp_path, nproc=2)

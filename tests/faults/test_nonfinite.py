@@ -97,9 +97,10 @@ def check_skips_then_error(layout, options, where):
     gradient) or on the last stage (where="loss": into the final norm's output). Returns, per
     step, what this rank saw, then the error and how long the bad steps took."""
     state, model, optimizer = _build(layout, skip_limit=3, **options)
+    module = model.get_input_embeddings() if where == "grad" else model.model.norm
     planter = None
     if (where == "grad" and dist.get_rank() == 0) or (where == "loss" and model.has_last_stage):
-        planter = Planter(model.model.embed_tokens if where == "grad" else model.model.norm, where)
+        planter = Planter(module, where)
     seen, message, first_bad = [], None, None
     for step, bad in enumerate(PLAN):
         if planter is not None:
@@ -179,7 +180,7 @@ def check_post_validation(plan, post_validate):
     ``plan``; post-validation re-runs a batch whose update it undid. Returns what each step
     settled and this rank's final parameters, or the error."""
     state, model, optimizer = _build(dict(pp=2), max_norm=1.0, skip_limit=3, post_validate=post_validate)
-    planter = Planter(model.model.embed_tokens, "grad") if dist.get_rank() == 0 else None
+    planter = Planter(model.get_input_embeddings(), "grad") if dist.get_rank() == 0 else None
     seen, message, start = [], None, time.monotonic()
     try:
         for step, bad in enumerate(plan):

@@ -15,7 +15,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, required=True, help="microbatches m")
     parser.add_argument("--chunks", type=int, default=None, help="stages per rank v")
     parser.add_argument("--costs", default="1,1,1", help="F,I,W[,comm] (default 1,1,1)")
-    parser.add_argument("--memory-limit", type=float, default=None, help="zb-auto/zb-v activations per rank")
+    parser.add_argument("--memory-limit", type=float, default=None,
+                        help="zb-auto/zb-v memory per rank: M_B per activation plus M_W per pending W")
+    parser.add_argument("--memory-units", default="1,0.5", help="M_B,M_W (default 1,0.5)")
     parser.add_argument("--group-size", type=int, default=None, help="interleaved-1f1b microbatch group size")
     parser.add_argument("--max-steps", type=int, default=0, help="cut the printed grid after this many steps")
     parser.add_argument("--lowered", action="store_true", help="print and export the lowered schedule")
@@ -29,19 +31,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         costs = tuple(float(c) for c in args.costs.split(","))
-        sch = generate(args.schedule, args.pp, args.microbatches, num_chunks=args.chunks, costs=costs,
+        units = dict(zip(("activation", "weight_pending"), (float(u) for u in args.memory_units.split(","))))
+        sch = generate(args.schedule, args.pp, args.microbatches, num_chunks=args.chunks,
+                       costs=dict(zip(("f", "i", "w", "comm"), costs), **units),
                        memory_limit=args.memory_limit, microbatch_group_size=args.group_size)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     shown = sch.lowered() if args.lowered else sch
-    sim = simulate(sch, *costs)
+    sim = simulate(sch, *costs, **units)
     print(shown.grid(args.max_steps), end="")
     print(f"schedule {sch.name}: p={sch.num_ranks} m={sch.num_microbatches} stages={sch.num_stages} "
           f"costs F,I,W,comm={','.join(f'{c:g}' for c in (costs + (0.0,))[:4])}")
     print(f"makespan {sim.makespan:g}  bubble {sim.bubble:g}  bubble ratio {sim.bubble_ratio:.4f}")
     print("peak activations per rank (M_B):", " ".join(str(a) for a in sim.peak_activations))
     print("peak pending W per rank (M_W):  ", " ".join(str(a) for a in sim.peak_weight_pending))
+    print("peak memory per rank:           ", " ".join(f"{a:g}" for a in sim.peak_memory))
     if args.csv:
         shown.to_csv(args.csv)
     if args.trace:

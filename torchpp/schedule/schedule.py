@@ -10,26 +10,31 @@ SCHEDULES: tuple[str, ...] = tuple(_schedule.schedule_names())
 
 
 class Costs(NamedTuple):
-    """Per-stage, per-microbatch pass costs (any time unit); B costs ``i + w``.
+    """Per-stage, per-microbatch pass costs (any time unit; B costs ``i + w``) and memory.
 
     Args:
         f: forward.
         i: backward for inputs (the zero-bubble paper's "B").
         w: backward for weights.
         comm: latency of one transfer between stages on different ranks.
+        activation: memory a microbatch-stage holds from its F to its I (M_B).
+        weight_pending: memory it holds from its I to its W (M_W); the default M_B / 2 is the
+            zero-bubble paper scheduler's estimate. zb-auto and zb-v's ``memory_limit`` counts both.
     """
 
     f: float = 1.0
     i: float = 1.0
     w: float = 1.0
     comm: float = 0.0
+    activation: float = 1.0
+    weight_pending: float = 0.5
 
 
 CostsLike = Union[Costs, Sequence[float], dict, None]
 
 
 def as_costs(costs: CostsLike) -> Costs:
-    """Reads ``Costs``, ``(F, I, W[, comm])`` or ``{"f":, "i":, "w":, "comm":}``; None gives unit costs."""
+    """Reads ``Costs``, ``(F, I, W[, comm])`` or a dict of ``Costs`` fields; None gives the defaults."""
     if costs is None:
         return Costs()
     if isinstance(costs, Costs):
@@ -147,6 +152,7 @@ def generate(
     costs: CostsLike = None,
     memory_limit: float | None = None,
     microbatch_group_size: int | None = None,
+    objective: str = "makespan",
 ) -> Schedule:
     """Builds schedule ``name`` (one of ``SCHEDULES``).
 
@@ -158,10 +164,15 @@ def generate(
         num_chunks: stages per rank v (interleaved-1f1b and looped-bfs, default 2; schedules
             with a fixed count accept only that count).
         costs: ``Costs``, ``(F, I, W[, comm])`` or a dict; used by zb-auto and zb-v.
-        memory_limit: zb-auto / zb-v: most activations (microbatch-stages between F and I) a
-            rank may hold; default p for zb-auto and 2p for zb-v.
+        memory_limit: zb-auto / zb-v: most memory a rank may hold, in the unit of the costs'
+            ``activation`` (M_B, default 1) and ``weight_pending`` (M_W, default 0.5): M_B per
+            microbatch-stage between F and I plus M_W per one between I and W. Default p M_B
+            for zb-auto and 2p M_B for zb-v.
         microbatch_group_size: interleaved-1f1b: microbatches per depth-first group; must
             divide m and be >= min(p, m); default p, or the next divisor of m above p.
+        objective: zb-auto / zb-v: what the search minimizes first, ``"makespan"`` (one step
+            ending in an optimizer barrier) or ``"span"`` (the longest rank span, the paper's
+            objective: steps run back to back, e.g. with post-validation); the other breaks ties.
 
     Raises:
         ValueError: the schedule cannot serve (p, m, v); the message names the constraint.
@@ -169,7 +180,7 @@ def generate(
     c = as_costs(costs)
     return Schedule(_schedule.generate(
         name, num_ranks, num_microbatches, num_chunks or 0, c.f, c.i, c.w, c.comm,
-        memory_limit or 0.0, microbatch_group_size or 0))
+        memory_limit or 0.0, microbatch_group_size or 0, c.activation, c.weight_pending, objective))
 
 
 def from_csv(path: str, num_ranks: int, num_microbatches: int, num_pipelines: int | None = None) -> Schedule:

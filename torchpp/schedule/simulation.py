@@ -91,7 +91,7 @@ def simulate(
     w: PerStage = 1.0,
     comm: float = 0.0,
     activation: float = 1.0,
-    weight_pending: float = 0.0,
+    weight_pending: float = 0.5,
 ) -> Simulation:
     """Times every action of ``schedule`` (event-driven, execution semantics of the runtime).
 
@@ -102,7 +102,8 @@ def simulate(
         w: backward-for-weights cost, a number or one per stage; B costs i + w.
         comm: latency of a transfer between stages on different ranks.
         activation: memory of one held activation (M_B), in bytes or any unit.
-        weight_pending: memory held from I until W (M_W), same unit.
+        weight_pending: memory held from I until W (M_W), same unit; default M_B / 2, as
+            zb-auto's ``memory_limit`` counts it, so ``max(peak_memory)`` is what that limit bounds.
 
     Raises:
         ScheduleError: the schedule deadlocks (the message marks the blocked steps).
