@@ -119,6 +119,19 @@ def test_tensor_parallel_page_example_runs(tmp_path):
     run(["this.py"], tmp_path, nproc=2)
 
 
+def test_reliability_page_example_skips_then_raises(tmp_path):
+    """docs/reliability.md: a NaN gradient on rank 0 from step 2 on; both ranks skip steps 2
+    and 3 and stop at step 4 with the error naming the parameter and rank."""
+    (tmp_path / "nan_guard.py").write_text(python_block("reliability.md", "nan_guard.py"))
+    output = run(["nan_guard.py"], tmp_path, nproc=2)
+    for rank in (0, 1):
+        skipped = re.findall(rf"rank {rank} step (\d) norm \S+ skipped (True|False)", output)
+        assert skipped == [("0", "False"), ("1", "False"), ("2", "True"), ("3", "True")], output[-3000:]
+        stop = re.search(rf"rank {rank} step 4 stopped: .*not finite for 3 consecutive steps.*"
+                         r"first in 'model.embed_tokens.weight' on global rank 0", output)
+        assert stop, output[-3000:]
+
+
 def test_schedules_page_example_runs(tmp_path):
     (tmp_path / "schedules.py").write_text(python_block("schedules.md", "S.generate(\"zb-h1\""))
     run(["schedules.py"], tmp_path)
@@ -139,6 +152,10 @@ def test_example_trains_and_writes_its_trace(tmp_path, script):
     trace = json.loads((out / "trace.json").read_text())
     assert {event["pid"] for event in trace["traceEvents"]} == {0, 1, 2, 3}  # every rank's timeline, one file
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if script == "train_llama.py":  # the measured bubble next to the simulator's from the measured costs
+        assert re.search(r"measured bubble ratio \(last step\) [\d.]+; simulator from the measured per-stage "
+                         r"costs [\d.]+ \(ms per stage: F [\d.]+ I [\d.]+ W [\d.]+", output), output[-2000:]
+        assert "\r" not in output, output[-2000:]  # no bar redrawn over the step lines in a log
 
 
 def test_llama_demo_saves_a_checkpoint_it_can_start_from(tmp_path):

@@ -200,7 +200,11 @@ def on_rank0(fn: Callable[[], Any], keep_type: bool = False) -> Any:
     if box[1] is not None:
         kind, text = box[1]
         if keep_type:
-            raise kind(text)
+            try:
+                error = kind(text)
+            except Exception:  # noqa: BLE001 (a type whose constructor takes other arguments)
+                error = RuntimeError(f"torchpp.checkpoint: rank 0 failed: {kind.__name__}: {text}")
+            raise error
         raise RuntimeError(f"torchpp.checkpoint: rank 0 failed: {kind.__name__}: {text}")
     return box[0]
 

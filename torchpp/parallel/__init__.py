@@ -6,8 +6,9 @@ from torchpp.parallel.clip import clip_grad_norm_, global_grad_norm
 from torchpp.parallel.data_parallel import GradReducer
 from torchpp.parallel.finalize import finalize_grads
 from torchpp.parallel.grad_scaler import GradScaler
+from torchpp.parallel.nonfinite import NonFiniteGradientError
 from torchpp.parallel.optimizer import DistributedOptimizer
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
 __all__ += ["clip_grad_norm_", "global_grad_norm", "GradReducer", "ZeroRedundancyOptimizer", "finalize_grads",
-            "DistributedOptimizer", "GradScaler"]
+            "DistributedOptimizer", "GradScaler", "NonFiniteGradientError"]
