@@ -114,6 +114,13 @@ def test_megatron_page_example_matches_megatrons_schedule():
     assert lines["megatron 1f1b"] == lines["torchpp zb-h1"], lines
 
 
+def test_context_parallel_page_example_equals_sdpa(tmp_path):
+    (tmp_path / "cp_attention.py").write_text(python_block("context_parallel.md", "`cp_attention.py`"))
+    out = run(["cp_attention.py"], tmp_path, nproc=2)
+    errors = [float(x) for x in re.findall(r"(?:output|dq|dk|dv) ([0-9.e+-]+)", out)]
+    assert len(errors) == 4 and max(errors) < 1e-10, out
+
+
 def test_tensor_parallel_page_example_runs(tmp_path):
     (tmp_path / "this.py").write_text(python_block("tensor_parallel.md", "torchrun --nproc-per-node 2 this.py"))
     run(["this.py"], tmp_path, nproc=2)

@@ -14,7 +14,7 @@ log-sum-exp; the backward passes key/value gradients around the ring (or reduce-
 | attention           | softmax attention of this rank's queries to the whole sequence |
 | sequence_positions  | the global positions this rank's shard holds                |
 
-``torchpp.context_parallel.hf`` wires this into transformers models.
+Model-level integration (``parallelize(model, cp=)``) is not there yet: see docs/context_parallel.md.
 """
 from __future__ import annotations
 
