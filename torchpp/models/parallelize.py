@@ -43,10 +43,12 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[dist.ProcessGroup],
-                   vocab_size: int, reduction: str = "mean") -> torch.Tensor:
+                   vocab_size: int, reduction: str = "mean", shifted: bool = False) -> torch.Tensor:
     """transformers' causal-LM loss (mean over labels != -100) of logits [b, s, V] or of their
-    vocabulary slices [b, s, V/t] over ``group`` (never gathered); computed in float32 at least."""
-    targets = shift_labels(labels)
+    vocabulary slices [b, s, V/t] over ``group`` (never gathered); computed in float32 at least.
+    ``shifted``: ``labels`` are the targets already (token t's label t+1, as context parallelism
+    shards them)."""
+    targets = labels if shifted else shift_labels(labels)
     if group is not None and group.size() > 1:
         return tp.vocab_parallel_cross_entropy(logits, targets, group, ignore_index=IGNORE_INDEX, reduction=reduction,
                                                vocab_size=vocab_size)
@@ -92,15 +94,16 @@ def _placement(schedule: str, pp: int, n_microbatches: int, pp_rank: int):
     return sch.num_stages // sch.num_pipelines, mine, rank_of, sch.num_pipelines
 
 
-def _resolve_state(state: Optional[ParallelState], tp_size: Optional[int], pp: Optional[int]) -> ParallelState:
+def _resolve_state(state: Optional[ParallelState], tp_size: Optional[int], pp: Optional[int],
+                   cp: Optional[int] = None) -> ParallelState:
     if state is None:
         try:
             state = get_parallel_state()
         except RuntimeError:
-            return init_parallel(tp=tp_size or 1, pp=pp or 1)
-    if (tp_size or state.tp) != state.tp or (pp or state.pp) != state.pp:
-        raise ValueError(f"torchpp.parallelize: tp={tp_size}, pp={pp} disagree with the parallel state "
-                         f"(tp={state.tp}, pp={state.pp}); pass state= or matching sizes")
+            return init_parallel(tp=tp_size or 1, pp=pp or 1, cp=cp or 1)
+    if (tp_size or state.tp) != state.tp or (pp or state.pp) != state.pp or (cp or state.cp) != state.cp:
+        raise ValueError(f"torchpp.parallelize: tp={tp_size}, pp={pp}, cp={cp} disagree with the parallel state "
+                         f"(tp={state.tp}, pp={state.pp}, cp={state.cp}); pass state= or matching sizes")
     return state
 
 
@@ -324,6 +327,7 @@ class ParallelCausalLM(_ParallelMixin):
     """A transformers causal LM under ``parallelize``: its own forward (pp=1) plus ``step``."""
 
     vocab_parallel_logits = False
+    context_parallel = None  # torchpp.context_parallel.hf.ContextParallel when cp > 1
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All-gathers vocab-parallel logits (``vocab_parallel_logits=True``) over TP, padding dropped."""
@@ -337,7 +341,21 @@ class ParallelCausalLM(_ParallelMixin):
     def __call__(self, *args, **kwargs):
         self._check_pipelined("calling the model")
         self._check_loaded()
-        return super().__call__(*args, **kwargs)
+        cp = self.context_parallel
+        if cp is None:
+            return super().__call__(*args, **kwargs)
+        # Every cp rank holds the full batch: run on this rank's shard of the sequence. The logits
+        # stay sharded (torchpp.context_parallel.unshard_sequence gathers them); the loss is the batch's.
+        if args:
+            raise TypeError("torchpp: a context-parallel model takes its inputs by keyword (input_ids=..., labels=...)")
+        from torchpp.context_parallel.hf import shard_batch
+
+        batch = {k: kwargs.pop(k, None) for k in ("input_ids", "inputs_embeds", "labels", "shift_labels",
+                                                  "position_ids", "attention_mask")}
+        out = super().__call__(**shard_batch(cp, **batch), **kwargs)
+        if getattr(out, "loss", None) is not None:
+            out.loss = cp.sum_over_ranks(out.loss)
+        return out
 
     def _lm_group(self) -> Optional[dist.ProcessGroup]:
         head = self.get_output_embeddings()
@@ -358,7 +376,8 @@ class ParallelCausalLM(_ParallelMixin):
         # The schedule weights a microbatch by its share of rows; dividing that back out and
         # summing over the batch's labelled tokens makes the total exactly the batch mean,
         # even when microbatches hold different numbers of ignored labels.
-        total = causal_lm_loss(logits, labels, self._lm_group(), _config(self).vocab_size, reduction="sum")
+        total = causal_lm_loss(logits, labels, self._lm_group(), _config(self).vocab_size, reduction="sum",
+                               shifted=self.context_parallel is not None)
         return total / self._batch_tokens * (self._batch_rows / labels.size(0))
 
     def step(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
@@ -387,8 +406,8 @@ class ParallelCausalLM(_ParallelMixin):
         """
         self._check_loaded()
         if self.schedule is None:
-            out = super().__call__(input_ids=input_ids, labels=labels, attention_mask=attention_mask,
-                                   position_ids=position_ids, use_cache=False)
+            out = self(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False)
             loss = out.loss
             scaler = self.grad_scaler
             self._share_summed_grads()
@@ -411,8 +430,8 @@ class ParallelCausalLM(_ParallelMixin):
         if self.schedule is not None:
             return self._pipeline_loss(self.schedule.eval, input_ids, labels, losses, attention_mask, position_ids)
         with torch.no_grad():
-            loss = super().__call__(input_ids=input_ids, labels=labels, attention_mask=attention_mask,
-                                    position_ids=position_ids, use_cache=False).loss
+            loss = self(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False).loss
         if losses is not None:
             losses.append(loss)
         return loss
@@ -426,6 +445,10 @@ class ParallelCausalLM(_ParallelMixin):
         if self.has_last_stage and labels is not None:  # missing labels: the schedule raises on every rank
             self._batch_rows = labels.size(0)
             self._batch_tokens = int((shift_labels(labels) != IGNORE_INDEX).sum().clamp(min=1))
+        cp = self.context_parallel
+        if cp is not None:  # every cp rank holds the full batch: keep this rank's shard of the sequence
+            input_ids, labels, position_ids, attention_mask = self._shard_for_pipeline(
+                cp, input_ids, labels, position_ids, attention_mask)
         ids, extras = [], {}
         if self.has_first_stage:
             ids = [input_ids]
@@ -433,6 +456,10 @@ class ParallelCausalLM(_ParallelMixin):
                           position_ids=None if position_ids is None else position_ids.expand_as(input_ids))
             extras = {k: v for k, v in extras.items() if v is not None}
         run(*ids, **extras, target=labels if self.has_last_stage else None, losses=mine)
+        if cp is not None and mine:  # each cp rank holds its tokens' part of every microbatch's loss
+            parts = torch.stack([loss.detach() for loss in mine])
+            dist.all_reduce(parts, group=cp.group)
+            mine = list(parts.unbind())
         if losses is not None:
             losses.extend(mine)
         if not mine:
@@ -443,6 +470,18 @@ class ParallelCausalLM(_ParallelMixin):
         if self.loss_group is not None:  # DualPipe: each end rank computed its pipeline's half
             dist.all_reduce(loss, group=self.loss_group)
         return loss
+
+
+    def _shard_for_pipeline(self, cp, input_ids, labels, position_ids, attention_mask):
+        """(input_ids, shifted targets, position ids, None): this rank's shard of the sequence."""
+        from torchpp.context_parallel.hf import shard_batch
+
+        if self.has_first_stage:
+            batch = shard_batch(cp, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask)
+            input_ids, position_ids = batch["input_ids"], batch["position_ids"]
+        if self.has_last_stage and labels is not None:
+            labels = cp.shard(shift_labels(labels))
+        return input_ids, labels, position_ids, None
 
 
 class ParallelModule(_ParallelMixin):
@@ -505,6 +544,9 @@ def parallelize(
     vocab_parallel_logits: bool = False,
     loss_fn=None,
     split_bw: Optional[bool] = None,
+    cp: Optional[int] = None,
+    cp_mode: str = "ring",
+    cp_layout: str = "zigzag",
 ) -> nn.Module:
     """Shards ``model`` in place over tensor- and pipeline-parallel ranks, by plan.
 
@@ -548,12 +590,22 @@ def parallelize(
             ``nn.MultiheadAttention``) run their backward split into I and W
             (``PipelineStage(split_bw=)``): None (default) on under schedules with W passes,
             so those passes carry their weight gradients; False keeps their backward in I.
+        cp: context-parallel size (default: the parallel state's), transformers causal LMs: every
+            rank of a cp group is given the same full batch and runs on its shard of the
+            sequence (``cp_layout`` chunks), attention exchanging keys and values over the group
+            (``cp_mode``: "ring" or "all-gather"; torchpp.context_parallel). Logits stay
+            sharded (``torchpp.context_parallel.unshard_sequence`` gathers them); the loss is
+            the batch's; gradients are this rank's part, summed over cp by DistributedOptimizer.
+        cp_mode: "ring" (key/value shards passed around the ring, overlapping compute) or
+            "all-gather".
+        cp_layout: "zigzag" (rank r holds chunks r and 2c-1-r of 2c: causal work balanced) or
+            "contiguous".
 
     Returns:
         ``model`` itself, parallelized.
     """
     check_recompute_mode(recompute)
-    state = _resolve_state(state, tp, pp)
+    state = _resolve_state(state, tp, pp, cp)
     _ensure_tp_rng(state)
     hf = is_transformers_model(model)
     fixups = None
@@ -568,6 +620,9 @@ def parallelize(
         raise PlanError(f"torchpp.parallelize: {type(model).__name__} is not a transformers model; pass plan= (a dict "
                         f"of module-name globs to styles, e.g. {{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}})")
     causal_lm = hf and model.get_output_embeddings() is not None
+    if state.cp > 1 and not causal_lm:
+        raise PlanError(f"torchpp.parallelize: cp={state.cp} shards the sequence of a transformers causal LM; "
+                        f"{type(model).__name__} is not one (use torchpp.context_parallel's ops in your own model)")
     if vocab_parallel_logits and not causal_lm:
         raise ValueError("torchpp.parallelize: vocab_parallel_logits=True needs a transformers causal LM")
     if state.pp > 1 and layout is None:
@@ -602,7 +657,13 @@ def parallelize(
             raise PlanError("torchpp.parallelize: sequence_parallel needs the model's stack of layers (a pp plan)")
         stack = get_submodule(model, layout.layers)
         _apply_sequence_parallel(stack, ctx, num_layers)
-    if hf and (recompute == "selective" or (state.tp > 1 and _attention_dropout(model))):
+    context = None
+    if state.cp > 1:
+        from torchpp.context_parallel.hf import ContextParallel, apply_context_parallel
+
+        context = ContextParallel(state.cp_group, cp_mode, cp_layout)
+        apply_context_parallel(model, context, recompute_core=recompute == "selective")
+    elif hf and (recompute == "selective" or (state.tp > 1 and _attention_dropout(model))):
         from torchpp.models.attention import wrap_attention
 
         wrap_attention(model, recompute_core=recompute == "selective")
@@ -626,6 +687,8 @@ def parallelize(
     model.tied_names = tied_names
     model._num_model_stages = num_stages
     model.grad_scaler = grad_scaler
+    if context is not None:
+        object.__setattr__(model, "context_parallel", context)
     if not causal_lm:  # not a submodule, even when the loss is an nn.Module
         object.__setattr__(model, "loss_fn", loss_fn)
     if causal_lm and vocab_parallel_logits:

@@ -72,10 +72,12 @@ def float64_throughout():
             setattr(torch.nn.functional, name, function)
 
 
-def exact_causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, **kwargs):
+def exact_causal_lm_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                         shift_labels=None, **kwargs):
     """transformers' ForCausalLMLoss in the logits' own dtype (it computes in float32, which
     would cap a float64 comparison at float32's precision)."""
-    targets = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:] if shift_labels is None \
+        else shift_labels
     logits = logits[..., : vocab_size or logits.size(-1)]
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
@@ -230,5 +232,67 @@ def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: 
         assert_close(loss, ref_loss, f"{what} loss")
     compared = _compare_grads(wrapped, ref_grads, what)
     _sgd(wrapped.parameters())
+    _compare_values(wrapped, reference, what)
+    return f"{compared} grads on this rank" + (f", loss {loss.item():.6f}" if loss is not None else "")
+
+
+def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
+    """Position ids of rows packing several sequences (restarting at 0), with boundaries inside
+    and between context-parallel chunks; the same on every rank."""
+    cuts_of_row = ([3, seq_len // 2 + 1, seq_len - 2], [seq_len // 4 + 1])
+    rows = []
+    for row in range(batch_size):
+        positions = torch.arange(seq_len)
+        for cut in cuts_of_row[row % 2]:
+            positions[cut:] = torch.arange(seq_len - cut)
+        rows.append(positions)
+    return torch.stack(rows)
+
+
+def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, schedule: str = "zb-h1",
+             n_microbatches: int = 2, packed: bool = False, mode: str = "ring", layout: str = "zigzag",
+             seq_len: int = SEQ, recompute: Optional[str] = None, **extra) -> str:
+    """cp (x tp x pp) ranks, each given the full batch: the context-parallel model's loss (and,
+    at pp=1, its logits, gathered over cp) equal the unwrapped model's, and after one SGD step
+    through DistributedOptimizer (gradients summed over cp) so do its gradients and values."""
+    with float64_throughout():
+        return _check_cp(model_type, cp, tp, pp, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
+                         **extra)
+
+
+def _check_cp(model_type, cp, tp, pp, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
+              **extra) -> str:
+    from torchpp.context_parallel import unshard_sequence
+    from torchpp.parallel import DistributedOptimizer
+
+    state = torchpp.init_parallel(tp=tp, pp=pp, cp=cp)
+    model = tiny_model(model_type, **extra)
+    reference = copy.deepcopy(model)
+    ids, labels = batch(model.config.get_text_config().vocab_size, seq_len=seq_len)
+    positions = packed_positions(ids.size(0), seq_len) if packed else None
+    reference.loss_function = exact_causal_lm_loss
+    out = reference(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
+    out.loss.backward()
+    ref_loss, ref_logits = out.loss.detach(), out.logits.detach()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+    _sgd(reference.parameters())
+    wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state, cp_mode=mode,
+                          cp_layout=layout, recompute=recompute)
+    wrapped.loss_function = exact_causal_lm_loss
+    optimizer = DistributedOptimizer(wrapped.named_parameters(), torch.optim.SGD, state, lr=LR,
+                                     accumulations_per_step=0)
+    what = f"{model_type} cp={cp} tp={tp} pp={pp}{' ' + schedule if pp > 1 else ''} {mode} {layout}" + \
+        (" packed" if packed else "")
+    if pp == 1:
+        out = wrapped(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
+        loss = out.loss
+        assert_close(unshard_sequence(out.logits, state.cp_group, dim=1, layout=layout), ref_logits, f"{what} logits")
+        loss.backward()
+    else:
+        loss = wrapped.step(ids, labels=labels, position_ids=positions)
+    if loss is not None:
+        assert_close(loss, ref_loss, f"{what} loss")
+    optimizer.step()
+    compared = _compare_grads(wrapped, ref_grads, what)
     _compare_values(wrapped, reference, what)
     return f"{compared} grads on this rank" + (f", loss {loss.item():.6f}" if loss is not None else "")

@@ -1,0 +1,66 @@
+"""parallelize(model, cp=): transformers causal LMs with the sequence split over context-parallel
+ranks, each given the full batch. Llama and Qwen2 at cp=2, cp=2 x tp=2 and cp=2 x pp=2 (zb-h1),
+both attention modes and layouts, and packed sequences (position ids restarting) equal the
+unwrapped model in float64: loss, logits (gathered over cp), every gradient after
+DistributedOptimizer's reduction over the dp-cp group, and one SGD step
+(torchpp.testing.model_checks.check_cp). Bad inputs raise on every rank naming the value."""
+import pytest
+import torch
+
+import torchpp
+from torchpp.models import parallelize
+from torchpp.testing.model_checks import check_cp
+from torchpp.testing.tiny_models import tiny_model
+
+TIMEOUT_S = 300
+
+
+def check_cp2_cases():
+    done = {}
+    for model_type in ("llama", "qwen2"):
+        done[model_type] = check_cp(model_type)
+    done["llama contiguous all-gather"] = check_cp("llama", mode="all-gather", layout="contiguous")
+    done["llama packed"] = check_cp("llama", packed=True)
+    done["qwen2 packed all-gather"] = check_cp("qwen2", packed=True, mode="all-gather")
+    done["llama selective recompute"] = check_cp("llama", recompute="selective")
+    return done
+
+
+def check_cp_with(dim: str, model_type: str):
+    if dim == "tp":
+        return check_cp(model_type, tp=2)
+    return check_cp(model_type, pp=2, schedule="zb-h1", n_microbatches=2, packed=model_type == "qwen2")
+
+
+def check_errors():
+    state = torchpp.init_parallel(cp=2)
+    model = parallelize(tiny_model("llama"), state=state)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"length 18 is not divisible by 4"):
+        model(input_ids=torch.zeros(2, 18, dtype=torch.long))
+    with pytest.raises(ValueError, match="attention_mask holds padding"):
+        model(input_ids=ids, attention_mask=torch.tensor([[1] * 16, [0] * 4 + [1] * 12]))
+    with pytest.raises(ValueError, match="cp_mode must be one of"):
+        parallelize(tiny_model("llama"), state=state, cp_mode="tree")
+    with pytest.raises(ValueError, match="needs attention_dropout=0"):
+        parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        parallelize(tiny_model("mistral"), state=state)(input_ids=ids)
+    with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2\)"):
+        parallelize(tiny_model("llama"), cp=4, state=state)
+    return True
+
+
+def test_cp2_llama_qwen2_modes_layouts_packed(ranks):
+    results = ranks(2).run(check_cp2_cases, timeout=TIMEOUT_S)
+    assert all(len(r) == 6 for r in results), results
+
+
+@pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2")])
+def test_cp2_with_tp2_or_pp2(ranks, dim, model_type):
+    results = ranks(4).run(check_cp_with, dim, model_type, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all(isinstance(r, str) for r in results), results
+
+
+def test_cp_errors_name_the_values(ranks):
+    assert ranks(2).run(check_errors, timeout=TIMEOUT_S) == [True, True]

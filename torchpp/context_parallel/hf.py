@@ -1,0 +1,171 @@
+"""Context parallelism for a transformers model, wrapped in place (``parallelize(model, cp=)``).
+
+Every rank of a context-parallel group is given the same full batch, as tensor-parallel ranks
+are; ``shard_batch`` keeps this rank's shard of the sequence (zigzag or contiguous chunks):
+the tokens, their global positions (which the model's rotary tables or position embeddings
+read, so nothing in the model changes), and the targets, shifted on the full sequence first
+(token t's target is token t+1, which may live on another rank). The model's attention
+function becomes ``torchpp_cp``, which runs torchpp.context_parallel.attention on each
+layer's local queries, keys and values; transformers builds no mask for it (the op masks
+causally by global position). Packed sequences come from position ids that restart: a token's
+sequence starts at its global index minus its position id, which the attention function turns
+into segment ids.
+
+Each rank's loss is its tokens' loss sum over the whole batch's labelled tokens, so summing
+gradients over cp (``DistributedOptimizer`` reduces over Megatron's dp-cp group) gives the
+full-batch gradient; the loss a caller sees is the sum over cp (the batch mean).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchpp import recompute
+from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
+
+IGNORE_INDEX = -100
+ATTENTION_NAME = "torchpp_cp"
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """What a context-parallel model (and each of its attention modules) holds."""
+
+    group: dist.ProcessGroup
+    mode: str = "ring"
+    layout: str = "zigzag"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"torchpp.parallelize: cp_mode must be one of {MODES}, got {self.mode!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"torchpp.parallelize: cp_layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return shard_sequence(x, self.group, dim=dim, layout=self.layout)
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """[s_local] global indices of this rank's tokens."""
+        return sequence_positions(seq_len, self.group, self.layout, device=device)
+
+    def sum_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
+        """The sum over cp of this rank's part of a loss, keeping this rank's gradient path."""
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return loss + (total - loss.detach())
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM targets on the full sequence: label t+1 for token t, -100 for the last."""
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def shard_batch(cp: ContextParallel, *, input_ids=None, inputs_embeds=None, labels=None, shift_labels=None,
+                position_ids=None, attention_mask=None) -> Dict[str, torch.Tensor]:
+    """This rank's shard of a full batch given to every rank of the cp group.
+
+    Returns the keyword arguments for the model: ``input_ids`` or ``inputs_embeds``,
+    ``position_ids`` (global positions, or the given ones' shard), and with labels, ``labels`` and
+    ``shift_labels`` (the shifted targets' shard) and ``num_items_in_batch`` (the whole batch's
+    labelled tokens, so each rank's loss is its part of the batch mean).
+
+    Raises:
+        ValueError: when an attention mask holds padding (pack sequences with position ids
+            instead), or the sequence length is not divisible into the layout's chunks.
+    """
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    if tokens is None:
+        raise ValueError("torchpp context parallelism: the model needs input_ids or inputs_embeds")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("torchpp context parallelism: attention_mask holds padding (zeros), which sharded attention "
+                         "does not mask; pack sequences into rows and give position_ids that restart at each one")
+    batch, seq_len = tokens.shape[0], tokens.shape[1]
+    out: Dict[str, torch.Tensor] = {}
+    if input_ids is not None:
+        out["input_ids"] = cp.shard(input_ids)
+    else:
+        out["inputs_embeds"] = cp.shard(inputs_embeds)
+    if position_ids is None:
+        out["position_ids"] = cp.positions(seq_len, tokens.device).expand(batch, -1)
+    else:
+        out["position_ids"] = cp.shard(position_ids.expand(batch, -1))
+    if labels is not None or shift_labels is not None:
+        targets = shift_labels if shift_labels is not None else shifted_targets(labels)
+        local = cp.shard(targets)
+        out.update(labels=local, shift_labels=local,
+                   num_items_in_batch=(targets != IGNORE_INDEX).sum().clamp(min=1))
+    return out
+
+
+def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], local_len: int) -> Optional[torch.Tensor]:
+    """Packed sequences' ids (each token's sequence start: its global index minus its position),
+    or None when each row holds one sequence."""
+    if position_ids is None:
+        return None
+    starts = cp.positions(local_len * cp.size, position_ids.device) - position_ids
+    if bool((starts == starts[..., :1]).all()):
+        return None
+    return starts
+
+
+def _attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+               sliding_window=None, softcap=None, position_ids=None, s_aux=None, **kwargs):
+    """transformers' attention-function interface over torchpp.context_parallel.attention."""
+    name = type(module).__name__
+    cp: Optional[ContextParallel] = getattr(module, "torchpp_cp", None)
+    if cp is None:
+        raise RuntimeError(f"torchpp context parallelism: {name} was not wrapped by parallelize(..., cp=)")
+    if dropout:
+        raise NotImplementedError(f"torchpp context parallelism: {name} asks for attention dropout {dropout}, which "
+                                  f"sharded attention does not implement")
+    if sliding_window is not None or softcap or s_aux is not None:
+        what = "a sliding window" if sliding_window is not None else "a score cap" if softcap else "attention sinks"
+        raise NotImplementedError(f"torchpp context parallelism: {name} uses {what}, which sharded attention does not "
+                                  f"implement")
+    segments = _segment_ids(cp, position_ids, query.size(2))
+    out = attention(query, key, value, cp.group, causal=getattr(module, "is_causal", True), scale=scaling,
+                    mode=cp.mode, layout=cp.layout, segment_ids=segments)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _recomputed_attention(module, *args, **kwargs):
+    # Selective recompute: the exchange and the blocks run again in backward; nothing s x s is kept.
+    return recompute.checkpoint(_attention, module, *args, **kwargs)
+
+
+def _register(recompute_core: bool) -> str:
+    # No mask function under this name: transformers then builds no mask (the op masks by position).
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = ATTENTION_NAME + ("_recompute" if recompute_core else "")
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(name, _recomputed_attention if recompute_core else _attention)
+    return name
+
+
+def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core: bool) -> None:
+    """Routes every attention call of a transformers ``model`` through sharded attention over ``cp``.
+
+    Raises:
+        ValueError: for configurations sharded attention cannot serve (attention dropout).
+    """
+    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
+               if c is not None and hasattr(c, "_attn_implementation")}
+    for config in configs.values():
+        dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        if dropout:
+            raise ValueError(f"torchpp.parallelize: cp={cp.size} needs attention_dropout=0 (the model's config has "
+                             f"{dropout}): sharded attention has no dropout")
+    name = _register(recompute_core)
+    for config in configs.values():
+        config._attn_implementation = name
+    for module in model.modules():  # the attention function gets its module: each one knows the group
+        module.torchpp_cp = cp
