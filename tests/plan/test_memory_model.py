@@ -18,6 +18,11 @@ def test_formulas_match_spec_at_16_bit():
     assert layer_activation_bytes(s, b, h, a, tp=t, sequence_parallel=True, recompute="selective") == pytest.approx(34 * sbh / t)
     assert layer_activation_bytes(s, b, h, a, tp=t, recompute="full") == 2 * sbh
     assert model_state_bytes(1e9) == 16e9
+    # Context parallelism: s/c tokens per rank, queries of s/c against all s keys: everything / c.
+    for c in (2, 4):
+        assert layer_activation_bytes(s, b, h, a, tp=t, cp=c) == pytest.approx(layer_activation_bytes(s, b, h, a, tp=t) / c)
+    with pytest.raises(ValueError, match="cp=3 must be at least 1 and divide the sequence length 2048"):
+        layer_activation_bytes(s, b, h, a, cp=3)
     assert model_state_bytes(1e9, dp=4, zero1=True) == 1e9 * (2 + 2 + 12 / 4)
 
 

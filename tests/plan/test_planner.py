@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchpp.plan import PRESETS, Cluster, PlanError, Profile, Training, partition, plan, profile
+from torchpp.plan import PRESETS, Cluster, PlanError, Profile, Training, evaluate, partition, plan, profile
+from torchpp.plan.report import format_plan
 from torchpp.plan.__main__ import main
 
 
@@ -33,7 +34,7 @@ def test_tensor_parallel_stays_inside_a_node_and_pipeline_crosses_nodes():
     cluster = Cluster(96, 80e9, gpus_per_node=8)
     best = plan(PRESETS["gpt3-175b"], cluster, Training(1536, 2048)).best.layout
     assert best.tp <= 8 and 8 % best.tp == 0
-    assert best.pp > 1 and best.tp * best.pp * best.dp == 96  # 175B needs a pipeline across nodes
+    assert best.pp > 1 and best.tp * best.pp * best.cp * best.dp == 96  # 175B needs a pipeline across nodes
 
 
 def test_slower_inter_node_links_push_tensor_parallel_into_the_node():
@@ -90,3 +91,24 @@ def test_interleaved_zero_bubble_wins_over_interleaved_1f1b_by_its_bubble():
     for cause in ("compute", "tp_comm", "dp_sync"):
         assert twin.breakdown[cause] == pytest.approx(best.breakdown[cause], rel=1e-12), cause
     assert twin.breakdown["pipeline_idle"] > best.breakdown["pipeline_idle"]
+
+
+def test_long_sequences_get_context_parallelism():
+    """Llama-2 7B at 64k tokens on 16 GPUs: without cp only tp=16 (across nodes) fits; the planner
+    splits the sequence over cp ranks instead, and says so in its table."""
+    training = Training(16, 65536, micro_batches=(1,))
+    result = plan(PRESETS["llama2-7b"], Cluster(16, 80e9), training)
+    best = result.best
+    assert best.layout.cp > 1 and best.layout.tp * best.layout.pp * best.layout.cp * best.layout.dp == 16
+    without = plan(PRESETS["llama2-7b"], Cluster(16, 80e9), dataclasses.replace(training, context_parallel=(1,))).best
+    assert without.layout.tp == 16 and without.step_time > 1.5 * best.step_time
+    # The same layout with half the cp ranks needs more memory (activations grow with s/c).
+    halved = dataclasses.replace(best.layout, cp=best.layout.cp // 2, dp=best.layout.dp * 2)
+    assert evaluate(PRESETS["llama2-7b"], Cluster(16, 80e9), training, halved).memory_per_gpu > best.memory_per_gpu
+    assert " cp " in format_plan(result)
+
+
+def test_short_sequences_are_not_split():
+    """Below MIN_CP_SHARD tokens per rank the ring's transfers have too little compute to hide behind."""
+    result = plan(PRESETS["gpt-1.3b"], Cluster(16, 24e9), Training(128, 2048))
+    assert {c.layout.cp for c in result.ranked} == {1}

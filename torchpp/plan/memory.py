@@ -19,6 +19,7 @@ def layer_activation_bytes(
     recompute: str = "none",
     element_bytes: int = 2,
     mask_bytes: int = 1,
+    cp: int = 1,
 ) -> float:
     """Bytes one transformer layer keeps alive for backward, for one microbatch.
 
@@ -30,11 +31,15 @@ def layer_activation_bytes(
         element_bytes: E, bytes per activation element (2 for 16-bit, 4 for fp32).
         mask_bytes: bytes per dropout-mask element: 1 for a bool mask (fused GPU kernels),
             E where dropout keeps a scaled float mask (PyTorch's CPU path).
+        cp: context-parallel size c: each rank holds s/c tokens (every term / c; the attention
+            core is its s/c queries against all s keys, so it too falls by c).
     """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     s, b, h, a, t, e, k = seq_len, micro_batch, hidden, heads, tp, element_bytes, mask_bytes
-    sbh = s * b * h
+    if cp < 1 or s % cp:
+        raise ValueError(f"cp={cp} must be at least 1 and divide the sequence length {s}")
+    sbh = s // cp * b * h
     if recompute == "full":
         return e * sbh / (t if sequence_parallel else 1)
     # LayerNorm inputs, the QKV and first-MLP inputs and two dropout masks: replicated over TP
@@ -42,7 +47,7 @@ def layer_activation_bytes(
     replicated = (4 * e + 2 * k) * sbh
     # Q, K, V, the projection input and both MLP hiddens (4h wide): split over TP.
     split = 12 * e * sbh
-    attention_core = (2 * e + k) * a * s * s * b  # softmax output, its dropout mask and output
+    attention_core = (2 * e + k) * a * (s // cp) * s * b  # softmax output, its dropout mask and output
     if recompute == "selective":
         attention_core = 0.0
     if sequence_parallel:

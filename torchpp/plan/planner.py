@@ -1,10 +1,14 @@
-"""Planner: enumerate (tp, pp, dp, microbatch, v, schedule, recompute, ZeRO-1), drop what does
-not fit in memory, rank the rest by simulated step time.
+"""Planner: enumerate (tp, pp, cp, dp, microbatch, v, schedule, recompute, ZeRO-1), drop what
+does not fit in memory, rank the rest by simulated step time.
 
 Compute costs come from FLOPs at a stated efficiency (SPEC section 3 per-layer F, I, W), TP and
 DP from ring all-reduce volumes, PP sends from b*s*h/t per boundary (scatter/gather), all over
 the link each group actually uses (intra-node when the group fits in a node). The pipeline part
 of a step is the schedule simulator's makespan; DP gradient reduction is added, not overlapped.
+Context parallelism (cp) gives each rank s/c tokens of every sequence: activations, compute and
+stage-boundary sends fall by c; each layer passes key/value shards around the cp ring (forward
+once, backward with their gradients twice), hidden behind the attention blocks' compute where
+that is longer; gradients reduce over dp x cp (Megatron's dp-cp group).
 """
 from __future__ import annotations
 
@@ -43,6 +47,9 @@ class Training:
         ("interleaved-zb", 2), ("interleaved-zb", 4))
     recompute: tuple[str, ...] = RECOMPUTE
     zero1: tuple[bool, ...] = (False, True)
+    # cp sizes to try (each dividing s into 2c chunks); None: 1, 2, 4, 8 while each rank keeps at
+    # least MIN_CP_SHARD tokens (shorter shards leave the ring's transfers too little compute to hide behind).
+    context_parallel: tuple[int, ...] | None = None
     sequence_parallel: bool = True  # Megatron-3 SP with every TP > 1 (False: Megatron-2's feature set)
     # Model state per parameter (SPEC section 4): 16-bit weights and grads, fp32 master + Adam m, v.
     weight_bytes: float = 2
@@ -59,8 +66,18 @@ class Training:
         and grads (2 + 2), fp32 master weights, Adam m and v and an fp32 copy of the grads
         (4 x 4): 20 bytes per parameter (Megatron-core's distributed-optimizer table)."""
         return cls(global_batch, seq_len, schedules=(("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)),
-                   recompute=("full",), zero1=(False,), sequence_parallel=False, optimizer_bytes=16,
+                   recompute=("full",), zero1=(False,), context_parallel=(1,), sequence_parallel=False,
+                   optimizer_bytes=16,
                    blocking_p2p=True)
+
+
+MIN_CP_SHARD = 4096
+
+
+def context_parallel_sizes(training: Training) -> tuple[int, ...]:
+    if training.context_parallel is not None:
+        return training.context_parallel
+    return tuple(c for c in (1, 2, 4, 8) if c == 1 or training.seq_len // c >= MIN_CP_SHARD)
 
 
 @dataclass(frozen=True)
@@ -74,6 +91,7 @@ class Layout:
     schedule: str
     recompute: str
     zero1: bool
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -158,20 +176,27 @@ def _layouts(model: ModelConfig, cluster: Cluster, training: Training):
         if model.heads % tp or (kv_heads % tp and tp % kv_heads):
             continue
         for pp in _divisors(cluster.num_gpus // tp):
-            dp = cluster.num_gpus // (tp * pp)
-            if pp > model.num_layers or training.global_batch % dp:
+            for cp in context_parallel_sizes(training):
+                if (cluster.num_gpus // (tp * pp)) % cp or (cp > 1 and training.seq_len % (2 * cp)):
+                    continue  # zigzag: 2c equal chunks per sequence
+                yield from _batch_layouts(model, cluster, training, tp, pp, cp)
+
+
+def _batch_layouts(model: ModelConfig, cluster: Cluster, training: Training, tp: int, pp: int, cp: int):
+    dp = cluster.num_gpus // (tp * pp * cp)
+    if pp > model.num_layers or training.global_batch % dp:
+        return
+    for b in training.micro_batches:
+        if (training.global_batch // dp) % b:
+            continue
+        m = training.global_batch // (dp * b)
+        schedules = [("none", 1)] if pp == 1 else training.schedules
+        for schedule, v in schedules:
+            if model.num_layers % (pp * v):
                 continue
-            for b in training.micro_batches:
-                if (training.global_batch // dp) % b:
-                    continue
-                m = training.global_batch // (dp * b)
-                schedules = [("none", 1)] if pp == 1 else training.schedules
-                for schedule, v in schedules:
-                    if model.num_layers % (pp * v):
-                        continue
-                    for recompute in training.recompute:
-                        for zero1 in (training.zero1 if dp > 1 else (False,)):
-                            yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero1)
+            for recompute in training.recompute:
+                for zero1 in (training.zero1 if dp * cp > 1 else (False,)):
+                    yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero1, cp)
 
 
 def _allreduce_seconds(nbytes: float, group: int, bandwidth: float) -> float:
@@ -197,29 +222,34 @@ def _p2p_seconds(cluster: Cluster, nbytes: float, t: int, d: int, p: int) -> flo
 
 
 def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: Layout) -> Candidate:
-    """Step time, bubble and per-GPU memory of one layout (rank order: TP fastest, then DP, then PP)."""
-    t, p, d, b, v = layout.tp, layout.pp, layout.dp, layout.micro_batch, layout.chunks
+    """Step time, bubble and per-GPU memory of one layout (rank order: TP fastest, then CP, DP, PP)."""
+    t, p, d, b, v, c = layout.tp, layout.pp, layout.dp, layout.micro_batch, layout.chunks, layout.cp
     s, h, e = training.seq_len, model.hidden, training.element_bytes
+    local = s // c  # tokens of each sequence on this rank
     stages, layers_per_stage = p * v, model.num_layers // (p * v)
     flops_rate = t * cluster.peak_flops * cluster.efficiency
 
-    # Per layer, per microbatch (SPEC section 3): F = bs(2P + 4sh), I = bs(2P + 8sh), W = 2bsP.
+    # Per layer, per microbatch (SPEC section 3): F = bs(2P + 4sh), I = bs(2P + 8sh), W = 2bsP;
+    # under cp a rank's s/c queries still attend to all s keys.
     weights = model.layer_parameters
-    f_layer = b * s * (2 * weights + 4 * s * h)
-    i_layer = b * s * (2 * weights + 8 * s * h)
-    w_layer = 2 * b * s * weights
+    f_layer = b * local * (2 * weights + 4 * s * h)
+    i_layer = b * local * (2 * weights + 8 * s * h)
+    w_layer = 2 * b * local * weights
     if layout.recompute == "full":
         i_layer += f_layer
     elif layout.recompute == "selective":
-        i_layer += 4 * b * s * s * h  # attention scores and attention over values, recomputed
-    tp_allreduce = _allreduce_seconds(b * s * h * e, t, _link(cluster, t))
+        i_layer += 4 * b * local * s * h  # attention scores and attention over values, recomputed
+    tp_allreduce = _allreduce_seconds(b * local * h * e, t, _link(cluster, t))
+    cp_forward, cp_backward = _cp_ring_seconds(model, cluster, b, local, e, t, c, flops_rate)
     recompute_allreduces = 2 if layout.recompute == "full" else 0
-    f_stage = layers_per_stage * (f_layer / flops_rate + 2 * tp_allreduce)
-    i_stage = layers_per_stage * (i_layer / flops_rate + (2 + recompute_allreduces) * tp_allreduce)
+    recompute_rings = cp_forward if layout.recompute in ("full", "selective") else 0.0
+    f_stage = layers_per_stage * (f_layer / flops_rate + 2 * tp_allreduce + cp_forward)
+    i_stage = layers_per_stage * (i_layer / flops_rate + (2 + recompute_allreduces) * tp_allreduce + cp_backward
+                                  + recompute_rings)
     w_stage = layers_per_stage * w_layer / flops_rate
     # The output layer (logits, loss) sits on the last stage.
-    head = 2 * b * s * h * model.vocab / flops_rate
-    p2p = _p2p_seconds(cluster, b * s * h * e, t, d, p) if p > 1 else 0.0
+    head = 2 * b * local * h * model.vocab / flops_rate
+    p2p = _p2p_seconds(cluster, b * local * h * e, t, d * c, p) if p > 1 else 0.0
     # Blocking exchanges: one after each stage's forward (send output, receive a gradient) and one
     # after its backward (send the gradient, receive the next input).
     exposed = p2p if training.blocking_p2p else 0.0
@@ -236,18 +266,20 @@ def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: L
 
     params_per_rank = _parameters_per_rank(model, p, v, layout.schedule)
     grad_bytes = max(params_per_rank) / t * e
-    dp_sync = _allreduce_seconds(grad_bytes, d, _link(cluster, t * d))
+    dp_sync = _allreduce_seconds(grad_bytes, d * c, _link(cluster, t * c * d))
 
-    act_layer = layer_activation_bytes(s, b, h, model.heads, t, sequence_parallel=training.sequence_parallel and t > 1,
-                                       recompute=layout.recompute, element_bytes=e)
-    logits = 4.0 * b * s * model.vocab / t  # fp32 logits of the microbatch in its loss
+    sp = training.sequence_parallel and t > 1
+    act_layer = layer_activation_bytes(s, b, h, model.heads, t, sequence_parallel=sp, recompute=layout.recompute,
+                                       element_bytes=e, cp=c)
+    logits = 4.0 * b * local * model.vocab / t  # fp32 logits of the microbatch in its loss
     # Recompute rebuilds one layer's activations in its backward: they are live on top of the kept ones.
     working = 0.0 if layout.recompute == "none" else layer_activation_bytes(
-        s, b, h, model.heads, t, sequence_parallel=training.sequence_parallel and t > 1, element_bytes=e)
+        s, b, h, model.heads, t, sequence_parallel=sp, element_bytes=e, cp=c)
     last_rank = 0 if layout.schedule in ("zb-v", "dualpipe-v") else p - 1
     memory = []
     for rank in range(p):
-        state = model_state_bytes(params_per_rank[rank] / t, dp=d, zero1=layout.zero1, weight_bytes=training.weight_bytes,
+        state = model_state_bytes(params_per_rank[rank] / t, dp=d * c, zero1=layout.zero1,
+                                  weight_bytes=training.weight_bytes,
                                   grad_bytes=training.grad_bytes, optimizer_bytes=training.optimizer_bytes)
         activations = (peaks[rank] * layers_per_stage * act_layer + working
                        + (logits if rank == last_rank else 0.0))
@@ -255,15 +287,34 @@ def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: L
 
     work_per_rank = layout.num_microbatches * (sum(f) + sum(i) + sum(w)) / p
     tp_comm = layout.num_microbatches * v * layers_per_stage * (4 + recompute_allreduces) * tp_allreduce
+    cp_comm = layout.num_microbatches * v * layers_per_stage * (cp_forward + cp_backward + recompute_rings)
     pp_comm = layout.num_microbatches * v * 2 * exposed
     breakdown = {
-        "compute": work_per_rank - tp_comm - pp_comm,
+        "compute": work_per_rank - tp_comm - cp_comm - pp_comm,
         "tp_comm": tp_comm,
+        "cp_comm": cp_comm,
         "pp_comm": pp_comm,
         "pipeline_idle": makespan - work_per_rank,  # bubble, exposed sends, the head's extra stage load
         "dp_sync": dp_sync,
     }
     return Candidate(layout, makespan + dp_sync, bubble, max(memory), breakdown)
+
+
+def _cp_ring_seconds(model: ModelConfig, cluster: Cluster, b: int, local: int, e: int, t: int, c: int,
+                     flops_rate: float) -> tuple[float, float]:
+    """Exposed seconds per layer of the cp ring (forward, backward): c-1 steps, each passing one
+    rank's key/value shard (b * s/c * 2 kv-width / t elements; backward also their gradients)
+    while the attention block of the shard in hand computes (4 b (s/c)^2 h / t FLOPs forward,
+    twice that backward); a step costs the longer of the two, minus its compute."""
+    if c == 1:
+        return 0.0, 0.0
+    kv_width = model.hidden * (model.kv_heads or model.heads) / model.heads
+    shard = 2 * b * local * kv_width / t * e
+    link = _link(cluster, t * c)
+    block = 4 * b * local * local * model.hidden / flops_rate  # over the t GPUs of the TP group
+    forward = (c - 1) * max(0.0, shard / link - block)
+    backward = (c - 1) * max(0.0, 2 * shard / link - 2 * block)
+    return forward, backward
 
 
 def _parameters_per_rank(model: ModelConfig, p: int, v: int, schedule: str) -> list[float]:
@@ -278,6 +329,7 @@ def _parameters_per_rank(model: ModelConfig, p: int, v: int, schedule: str) -> l
 
 
 def _describe(layout: Layout) -> str:
-    return (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} b={layout.micro_batch} {layout.schedule}"
+    return (f"tp={layout.tp} pp={layout.pp}{f' cp={layout.cp}' if layout.cp > 1 else ''} dp={layout.dp} "
+            f"b={layout.micro_batch} {layout.schedule}"
             f"{f' v={layout.chunks}' if layout.chunks > 1 else ''} recompute={layout.recompute}"
             f"{' zero1' if layout.zero1 else ''}")
