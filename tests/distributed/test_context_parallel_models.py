@@ -1,5 +1,6 @@
 """parallelize(model, cp=): transformers causal LMs with the sequence split over context-parallel
 ranks, each given the full batch. Llama and Qwen2 at cp=2, cp=2 x tp=2 and cp=2 x pp=2 (zb-h1),
+Llama at cp=2 x dp=2 (each cp group its replica's rows),
 both attention modes and layouts, and packed sequences (position ids restarting) equal the
 unwrapped model in float64: loss, logits (gathered over cp), every gradient after
 DistributedOptimizer's reduction over the dp-cp group, and one SGD step
@@ -29,6 +30,8 @@ def check_cp2_cases():
 def check_cp_with(dim: str, model_type: str):
     if dim == "tp":
         return check_cp(model_type, tp=2)
+    if dim == "dp":
+        return check_cp(model_type, dp=2, packed=True)
     return check_cp(model_type, pp=2, schedule="zb-h1", n_microbatches=2, packed=model_type == "qwen2")
 
 
@@ -40,6 +43,8 @@ def check_errors():
         model(input_ids=torch.zeros(2, 18, dtype=torch.long))
     with pytest.raises(ValueError, match="attention_mask holds padding"):
         model(input_ids=ids, attention_mask=torch.tensor([[1] * 16, [0] * 4 + [1] * 12]))
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, use_cache=True)
     with pytest.raises(ValueError, match="cp_mode must be one of"):
         parallelize(tiny_model("llama"), state=state, cp_mode="tree")
     with pytest.raises(ValueError, match="needs attention_dropout=0"):
@@ -56,8 +61,9 @@ def test_cp2_llama_qwen2_modes_layouts_packed(ranks):
     assert all(len(r) == 6 for r in results), results
 
 
-@pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2")])
-def test_cp2_with_tp2_or_pp2(ranks, dim, model_type):
+@pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),
+                                            ("dp", "llama")])
+def test_cp2_with_tp2_pp2_or_dp2(ranks, dim, model_type):
     results = ranks(4).run(check_cp_with, dim, model_type, timeout=TIMEOUT_S)
     assert len(results) == 4 and all(isinstance(r, str) for r in results), results
 

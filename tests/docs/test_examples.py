@@ -121,6 +121,20 @@ def test_context_parallel_page_example_equals_sdpa(tmp_path):
     assert len(errors) == 4 and max(errors) < 1e-10, out
 
 
+def test_context_parallel_page_model_example_prints_the_documented_losses(tmp_path):
+    """A Llama at pp=2 x cp=2 on packed rows: the first loss is the unwrapped model's, and the
+    run reproduces the page's output."""
+    (tmp_path / "cp_llama.py").write_text(python_block("context_parallel.md", "`cp_llama.py`"))
+    out = run(["cp_llama.py"], tmp_path, nproc=4)
+    first = re.search(r"step 0 loss ([0-9.]+) \(unwrapped model: ([0-9.]+)\)", out)
+    assert first and first.group(1) == first.group(2), out
+    found = losses(out)
+    assert sorted(found) == list(range(6)) and all(found[s + 1] < found[s] for s in range(5)), found
+    page = open(os.path.join(ROOT, "docs", "context_parallel.md")).read()
+    shown = page[page.index("step 0 loss", page.index("`cp_llama.py`")):]
+    assert losses(shown[:shown.index("```")]) == found, out
+
+
 def test_tensor_parallel_page_example_runs(tmp_path):
     (tmp_path / "this.py").write_text(python_block("tensor_parallel.md", "torchrun --nproc-per-node 2 this.py"))
     run(["this.py"], tmp_path, nproc=2)

@@ -350,6 +350,10 @@ class ParallelCausalLM(_ParallelMixin):
             raise TypeError("torchpp: a context-parallel model takes its inputs by keyword (input_ids=..., labels=...)")
         from torchpp.context_parallel.hf import shard_batch
 
+        if kwargs.get("use_cache"):
+            raise ValueError("torchpp: a context-parallel model holds a shard of each sequence and keeps no key/value "
+                             "cache; call it with use_cache=False (the default under cp)")
+        kwargs["use_cache"] = False  # as training runs it: transformers then honours packed position ids too
         batch = {k: kwargs.pop(k, None) for k in ("input_ids", "inputs_embeds", "labels", "shift_labels",
                                                   "position_ids", "attention_mask")}
         out = super().__call__(**shard_batch(cp, **batch), **kwargs)

@@ -249,31 +249,38 @@ def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, schedule: str = "zb-h1",
+def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, schedule: str = "zb-h1",
              n_microbatches: int = 2, packed: bool = False, mode: str = "ring", layout: str = "zigzag",
              seq_len: int = SEQ, recompute: Optional[str] = None, **extra) -> str:
-    """cp (x tp x pp) ranks, each given the full batch: the context-parallel model's loss (and,
-    at pp=1, its logits, gathered over cp) equal the unwrapped model's, and after one SGD step
-    through DistributedOptimizer (gradients summed over cp) so do its gradients and values."""
+    """cp (x tp x pp x dp) ranks, each cp group given its data-parallel replica's rows of the
+    batch: the context-parallel model's loss (and, at pp=1, its logits, gathered over cp) equal
+    the unwrapped model's on those rows, and after one SGD step through DistributedOptimizer
+    (gradients summed over cp, averaged over dp) so do its gradients and values (the unwrapped
+    model's from the mean of the replicas' losses)."""
     with float64_throughout():
-        return _check_cp(model_type, cp, tp, pp, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
-                         **extra)
+        return _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode, layout, seq_len,
+                         recompute, **extra)
 
 
-def _check_cp(model_type, cp, tp, pp, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
+def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
               **extra) -> str:
     from torchpp.context_parallel import unshard_sequence
     from torchpp.parallel import DistributedOptimizer
 
-    state = torchpp.init_parallel(tp=tp, pp=pp, cp=cp)
+    state = torchpp.init_parallel(tp=tp, pp=pp, cp=cp, dp=dp)
     model = tiny_model(model_type, **extra)
     reference = copy.deepcopy(model)
     ids, labels = batch(model.config.get_text_config().vocab_size, seq_len=seq_len)
     positions = packed_positions(ids.size(0), seq_len) if packed else None
     reference.loss_function = exact_causal_lm_loss
-    out = reference(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
-    out.loss.backward()
-    ref_loss, ref_logits = out.loss.detach(), out.logits.detach()
+    replicas = [slice(d * ids.size(0) // dp, (d + 1) * ids.size(0) // dp) for d in range(dp)]
+    outs = [reference(input_ids=ids[rows], labels=labels[rows], use_cache=False,
+                      position_ids=None if positions is None else positions[rows]) for rows in replicas]
+    (sum(out.loss for out in outs) / dp).backward()
+    mine = replicas[state.dp_rank]
+    ids, labels = ids[mine], labels[mine]
+    positions = None if positions is None else positions[mine]
+    ref_loss, ref_logits = outs[state.dp_rank].loss.detach(), outs[state.dp_rank].logits.detach()
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     _sgd(reference.parameters())
     wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state, cp_mode=mode,
@@ -281,7 +288,7 @@ def _check_cp(model_type, cp, tp, pp, schedule, n_microbatches, packed, mode, la
     wrapped.loss_function = exact_causal_lm_loss
     optimizer = DistributedOptimizer(wrapped.named_parameters(), torch.optim.SGD, state, lr=LR,
                                      accumulations_per_step=0)
-    what = f"{model_type} cp={cp} tp={tp} pp={pp}{' ' + schedule if pp > 1 else ''} {mode} {layout}" + \
+    what = f"{model_type} cp={cp} tp={tp} pp={pp} dp={dp}{' ' + schedule if pp > 1 else ''} {mode} {layout}" + \
         (" packed" if packed else "")
     if pp == 1:
         out = wrapped(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
