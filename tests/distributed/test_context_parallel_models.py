@@ -1,7 +1,7 @@
 """parallelize(model, cp=): transformers causal LMs with the sequence split over context-parallel
-ranks, each given the full batch. Llama and Qwen2 at cp=2, cp=2 x tp=2 and cp=2 x pp=2 (zb-h1),
-Llama at cp=2 x dp=2 (each cp group its replica's rows),
-both attention modes and layouts, and packed sequences (position ids restarting) equal the
+ranks, each cp group given its batch whole. Llama and Qwen2 at cp=2, cp=2 x tp=2 (Qwen2 with
+sequence parallelism), cp=2 x pp=2 (zb-h1) and Llama at cp=2 x dp=2; both attention modes and
+layouts, packed sequences (position ids restarting) and selective recompute. Each equals the
 unwrapped model in float64: loss, logits (gathered over cp), every gradient after
 DistributedOptimizer's reduction over the dp-cp group, and one SGD step
 (torchpp.testing.model_checks.check_cp). Bad inputs raise on every rank naming the value."""
@@ -29,7 +29,7 @@ def check_cp2_cases():
 
 def check_cp_with(dim: str, model_type: str):
     if dim == "tp":
-        return check_cp(model_type, tp=2)
+        return check_cp(model_type, tp=2, sequence_parallel=model_type == "qwen2")
     if dim == "dp":
         return check_cp(model_type, dp=2, packed=True)
     return check_cp(model_type, pp=2, schedule="zb-h1", n_microbatches=2, packed=model_type == "qwen2")

@@ -251,7 +251,7 @@ def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
 
 def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, schedule: str = "zb-h1",
              n_microbatches: int = 2, packed: bool = False, mode: str = "ring", layout: str = "zigzag",
-             seq_len: int = SEQ, recompute: Optional[str] = None, **extra) -> str:
+             seq_len: int = SEQ, recompute: Optional[str] = None, sequence_parallel: bool = False, **extra) -> str:
     """cp (x tp x pp x dp) ranks, each cp group given its data-parallel replica's rows of the
     batch: the context-parallel model's loss (and, at pp=1, its logits, gathered over cp) equal
     the unwrapped model's on those rows, and after one SGD step through DistributedOptimizer
@@ -259,11 +259,11 @@ def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int 
     model's from the mean of the replicas' losses)."""
     with float64_throughout():
         return _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode, layout, seq_len,
-                         recompute, **extra)
+                         recompute, sequence_parallel, **extra)
 
 
 def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
-              **extra) -> str:
+              sequence_parallel, **extra) -> str:
     from torchpp.context_parallel import unshard_sequence
     from torchpp.parallel import DistributedOptimizer
 
@@ -284,7 +284,7 @@ def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     _sgd(reference.parameters())
     wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state, cp_mode=mode,
-                          cp_layout=layout, recompute=recompute)
+                          cp_layout=layout, recompute=recompute, sequence_parallel=sequence_parallel)
     wrapped.loss_function = exact_causal_lm_loss
     optimizer = DistributedOptimizer(wrapped.named_parameters(), torch.optim.SGD, state, lr=LR,
                                      accumulations_per_step=0)
