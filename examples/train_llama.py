@@ -40,7 +40,8 @@ from torchpp.tensor_parallel import model_parallel_manual_seed
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (dp = world / (tp*pp))")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (dp = world / (tp*pp*cp))")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks")
     parser.add_argument("--schedule", default="zb-h1", help="any torchpp.schedule name")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--zero", action="store_true", help="ZeRO-1: shard Adam's state over dp")
@@ -89,7 +90,7 @@ def step_loss(model, loss, state):
 
 def main():
     args = parse_args()
-    state = torchpp.init_parallel(tp=args.tp, pp=args.pp)
+    state = torchpp.init_parallel(tp=args.tp, pp=args.pp, cp=args.cp)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     if args.batch % state.dp:
@@ -119,7 +120,8 @@ def main():
     local_batch = args.batch // state.dp
 
     if rank == 0:
-        print(f"world={dist.get_world_size()} tp={state.tp} pp={state.pp} dp={state.dp} schedule={args.schedule} "
+        print(f"world={dist.get_world_size()} tp={state.tp} pp={state.pp} cp={state.cp} dp={state.dp} "
+              f"schedule={args.schedule} "
               f"microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} bf16={args.bf16} "
               f"fp16={args.fp16} post_validate={args.post_validate} "
               f"params/rank={sum(p.numel() for p in model.parameters())}", flush=True)

@@ -214,3 +214,17 @@ def test_llama_demo_post_validated_trains_as_the_synchronous_run(tmp_path, fp16_
     # printed losses are the synchronous run's.
     assert losses(output) == losses(fp16_demo_output), output[-2000:]
     assert re.findall(r"re-runs (\d+)", output) == ["0", "1", "2", "3"], output[-2000:]
+
+
+def test_llama_demo_with_context_parallelism_trains_as_without(tmp_path):
+    """--cp 2: every sequence split over two ranks (pp=2 x cp=2 on 4 ranks) prints the losses of
+    the same run at cp=1 (pp=2 on 2 ranks), to the printed digits (fp32 sums in another order may
+    round the last one the other way)."""
+    demo = os.path.join(ROOT, "examples", "train_llama.py")
+    split = run([demo, "--tp", "1", "--pp", "2", "--cp", "2", "--steps", "3", "--out", str(tmp_path / "cp")],
+                tmp_path, nproc=4)
+    whole = run([demo, "--tp", "1", "--pp", "2", "--steps", "3", "--out", str(tmp_path / "whole")], tmp_path, nproc=2)
+    assert "cp=2" in split and sorted(losses(split)) == [1, 2, 3], split[-2000:]
+    assert sorted(losses(whole)) == [1, 2, 3], whole[-2000:]
+    for step, loss in losses(split).items():
+        assert abs(loss - losses(whole)[step]) <= 1.5e-4, (split[-2000:], whole[-2000:])
