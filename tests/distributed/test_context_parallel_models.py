@@ -27,6 +27,15 @@ def check_cp2_cases():
     return done
 
 
+# Other families by their own modeling code: q/k norms (qwen3, olmo2), partial rotary (phi, gpt_neox),
+# layers without rotary (smollm3), scaled embeddings (gemma), fused qkv (phi3), all on packed rows.
+FAMILIES = ("qwen3", "olmo2", "phi", "gpt_neox", "smollm3", "gemma", "phi3")
+
+
+def check_families():
+    return {model_type: check_cp(model_type, packed=True) for model_type in FAMILIES}
+
+
 def check_cp_with(dim: str, model_type: str):
     if dim == "tp":
         return check_cp(model_type, tp=2, sequence_parallel=model_type == "qwen2")
@@ -59,6 +68,11 @@ def check_errors():
 def test_cp2_llama_qwen2_modes_layouts_packed(ranks):
     results = ranks(2).run(check_cp2_cases, timeout=TIMEOUT_S)
     assert all(len(r) == 6 for r in results), results
+
+
+def test_cp2_more_families_packed(ranks):
+    results = ranks(2).run(check_families, timeout=TIMEOUT_S)
+    assert all(set(r) == set(FAMILIES) for r in results), results
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),
