@@ -92,15 +92,16 @@ def _placement(schedule: str, pp: int, n_microbatches: int, pp_rank: int):
     return sch.num_stages // sch.num_pipelines, mine, rank_of, sch.num_pipelines
 
 
-def _resolve_state(state: Optional[ParallelState], tp_size: Optional[int], pp: Optional[int]) -> ParallelState:
+def _resolve_state(state: Optional[ParallelState], tp_size: Optional[int], pp: Optional[int],
+                   ep: Optional[int] = None) -> ParallelState:
     if state is None:
         try:
             state = get_parallel_state()
         except RuntimeError:
-            return init_parallel(tp=tp_size or 1, pp=pp or 1)
-    if (tp_size or state.tp) != state.tp or (pp or state.pp) != state.pp:
-        raise ValueError(f"torchpp.parallelize: tp={tp_size}, pp={pp} disagree with the parallel state "
-                         f"(tp={state.tp}, pp={state.pp}); pass state= or matching sizes")
+            return init_parallel(tp=tp_size or 1, pp=pp or 1, ep=ep or 1)
+    if (tp_size or state.tp) != state.tp or (pp or state.pp) != state.pp or (ep or state.ep) != state.ep:
+        raise ValueError(f"torchpp.parallelize: tp={tp_size}, pp={pp}, ep={ep} disagree with the parallel state "
+                         f"(tp={state.tp}, pp={state.pp}, ep={state.ep}); pass state= or matching sizes")
     return state
 
 
@@ -296,7 +297,8 @@ class _ParallelMixin:
     @torch.no_grad()
     def full_state_dict(self, grads: bool = False) -> Dict[str, torch.Tensor]:
         """This rank's parameters (or their gradients) as the unsharded model's full tensors, by
-        their names (a tied one under each of its names). Collective over the TP group.
+        their names (a tied one under each of its names). Collective over the TP group (and the
+        expert-parallel group, for expert parameters).
 
         Args:
             grads: return gradients (zeros where none) instead of values.
@@ -313,6 +315,11 @@ class _ParallelMixin:
                     shards = [torch.empty_like(local) for _ in range(group.size())]
                     dist.all_gather(shards, local, group=group)
                     local = layout(shards)
+                experts = getattr(param, "expert_parallel", None)  # (ep group, rank, size): whole experts
+                if experts is not None and experts[2] > 1:
+                    shards = [torch.empty_like(local) for _ in range(experts[2])]
+                    dist.all_gather(shards, local, group=experts[0])
+                    local = torch.cat(shards)
                 gathered[id(param)] = local
             out[name] = gathered[id(param)]
         return out
@@ -505,6 +512,9 @@ def parallelize(
     vocab_parallel_logits: bool = False,
     loss_fn=None,
     split_bw: Optional[bool] = None,
+    ep: Optional[int] = None,
+    capacity_factor: Optional[float] = None,
+    expert_tensor_parallel: bool = False,
 ) -> nn.Module:
     """Shards ``model`` in place over tensor- and pipeline-parallel ranks, by plan.
 
@@ -548,12 +558,21 @@ def parallelize(
             ``nn.MultiheadAttention``) run their backward split into I and W
             (``PipelineStage(split_bw=)``): None (default) on under schedules with W passes,
             so those passes carry their weight gradients; False keeps their backward in I.
+        ep: expert-parallel size (default: the parallel state's): each rank of ``state.ep_group``
+            holds E/ep whole experts of every MoE layer (the model's ``base_model_ep_plan``), tokens
+            reach them by all-to-all (torchpp.expert_parallel); the routers stay replicated. Each
+            data-parallel rank feeds its own batch slice; with ``output_router_logits`` the
+            load-balancing loss is the whole batch's (router logits all-gathered over dp x cp).
+        capacity_factor: None (dropless, default) or each expert's capacity as a factor of an even
+            share of a rank's routed pairs; dropped pairs per experts module: ``model.ep_dropped``.
+        expert_tensor_parallel: with tp > 1 and ep > 1, also split each expert over TP (the TP plan's
+            expert entries); default False: whole experts, replicated over TP.
 
     Returns:
         ``model`` itself, parallelized.
     """
     check_recompute_mode(recompute)
-    state = _resolve_state(state, tp, pp)
+    state = _resolve_state(state, tp, pp, ep)
     _ensure_tp_rng(state)
     hf = is_transformers_model(model)
     fixups = None
@@ -577,6 +596,16 @@ def parallelize(
     num_stages, mine, rank_of, num_pipelines = _placement(schedule, state.pp, n_microbatches, state.pp_rank)
     strict = plan is not None
     ctx = _tp_context(model, state, sequence_parallel, split_bw=state.pp > 1)
+    ep_plan = None
+    if state.ep > 1:
+        from torchpp.expert_parallel.plan import hf_ep_plan, without_expert_entries
+
+        ep_plan = hf_ep_plan(model)
+        if not any(style == "ep_dispatch_experts" for style in resolve_plan(model, ep_plan, False).values()):
+            raise PlanError(f"torchpp.parallelize: ep={state.ep}, but the expert-parallel plan {ep_plan} matches no "
+                            f"experts module of {type(model).__name__}")
+        if not expert_tensor_parallel:
+            tp_plan = without_expert_entries(tp_plan, ep_plan)
     if state.tp > 1:  # bad plans and head counts raise before anything changes
         _check_heads(resolve_plan(model, tp_plan, strict), ctx)
 
@@ -591,7 +620,17 @@ def parallelize(
         bounds = layer_bounds(num_layers, num_stages, split)
         stages = cut_in_place(model, layout, bounds, mine, hf)
 
-    # ---- tensor and sequence parallelism on what is left ----
+    # ---- experts over the ep group (whole experts), then tensor and sequence parallelism ----
+    ep_ctx = None
+    if ep_plan is not None:
+        from torchpp.expert_parallel import EPContext, apply_ep_plan
+
+        ep_ctx = EPContext(state.ep_group, capacity_factor=capacity_factor)
+        apply_ep_plan(model, ep_plan, ep_ctx)
+    if hf and state.dp * state.cp > 1:
+        from torchpp.expert_parallel import gather_router_logits
+
+        gather_router_logits(model, state.dp_cp_group or state.dp_group)
     if state.tp > 1:
         apply_tp_plan(model, tp_plan, ctx, strict=False, config=_config(model))
         _local_kv_groups(model, ctx)
@@ -626,6 +665,8 @@ def parallelize(
     model.tied_names = tied_names
     model._num_model_stages = num_stages
     model.grad_scaler = grad_scaler
+    if ep_ctx is not None:
+        model.ep_dropped = ep_ctx.dropped
     if not causal_lm:  # not a submodule, even when the loss is an nn.Module
         object.__setattr__(model, "loss_fn", loss_fn)
     if causal_lm and vocab_parallel_logits:
