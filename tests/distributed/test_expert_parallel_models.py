@@ -1,7 +1,8 @@
 """parallelize(model, ep=) on transformers MoE families, by their own base_model_ep_plan: each
 rank holds E/ep whole experts and its own slice of the batch; the mean loss, the load-balancing
 loss (output_router_logits=True), the reduced gradients and one optimizer step equal the
-unwrapped model's on the whole batch (torchpp.testing.expert_checks, float64)."""
+unwrapped model's on the whole batch (torchpp.testing.expert_checks, float64). Shared experts
+(Qwen2-MoE, DeepSeek-V3) stay replicated; DeepSeek-V3's causal LM has no aux loss."""
 import pytest
 
 from torchpp.testing.expert_checks import check_ep, check_ep_pp
@@ -9,18 +10,45 @@ from torchpp.testing.expert_checks import check_ep, check_ep_pp
 TIMEOUT_S = 240
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def test_ep2_equals_unwrapped(ranks, model_type):
     results = ranks(2).run(check_ep, model_type, ep=2, timeout=TIMEOUT_S)
-    assert all("experts" in r for r in results), results
+    assert all("experts {(2," in r for r in results), results  # 4 experts, 2 per rank
 
 
-@pytest.mark.parametrize("model_type", ["mixtral"])
-def test_ep2_tp2_equals_unwrapped(ranks, model_type):
-    results = ranks(4).run(check_ep, model_type, ep=2, tp=2, timeout=TIMEOUT_S)
-    assert all("experts" in r for r in results), results
+@pytest.mark.parametrize("expert_tensor_parallel", [False, True])
+def test_ep2_tp2_equals_unwrapped(ranks, expert_tensor_parallel):
+    results = ranks(4).run(check_ep, "mixtral", ep=2, tp=2, expert_tensor_parallel=expert_tensor_parallel,
+                           timeout=TIMEOUT_S)
+    # Whole experts [2, 2I, h] per rank, or (ETP) each split over TP too.
+    assert all(("(2, 96, 64)" in r) == expert_tensor_parallel for r in results), results
 
 
-def test_ep2_pp2_zero_bubble_equals_unwrapped(ranks):
-    results = ranks(4).run(check_ep_pp, "qwen3_moe", ep=2, pp=2, schedule="zb-h1", timeout=TIMEOUT_S)
+@pytest.mark.parametrize("model_type, schedule, n_microbatches", [("qwen3_moe", "zb-h1", 2),
+                                                                  ("mixtral", "dualpipe", 4)])
+def test_ep2_pp2_equals_unwrapped(ranks, model_type, schedule, n_microbatches):
+    results = ranks(4).run(check_ep_pp, model_type, ep=2, pp=2, schedule=schedule, n_microbatches=n_microbatches,
+                           timeout=TIMEOUT_S)
     assert all("grads" in r for r in results), results
+
+
+def check_ep_errors():
+    import pytest
+    import torchpp
+    from torchpp.models import parallelize
+    from torchpp.tensor_parallel.styles import PlanError
+    from torchpp.testing.tiny_models import tiny_model
+
+    state = torchpp.init_parallel(ep=2)
+    with pytest.raises(PlanError, match="has no base_model_ep_plan"):
+        parallelize(tiny_model("llama"), state=state, ep=2)
+    with pytest.raises(PlanError, match="holds 3 experts, which ep=2 does not divide"):
+        parallelize(tiny_model("mixtral", num_local_experts=3), state=state, ep=2)
+    state = torchpp.init_parallel(pp=2)
+    with pytest.raises(ValueError, match=r"ep=2 disagree with the parallel state \(tp=1, pp=2, ep=1\)"):
+        parallelize(tiny_model("mixtral"), state=state, ep=2)
+    return True
+
+
+def test_ep_errors_name_values(ranks):
+    assert ranks(2).run(check_ep_errors) == [True, True]

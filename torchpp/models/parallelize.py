@@ -601,6 +601,10 @@ def parallelize(
         from torchpp.expert_parallel.plan import hf_ep_plan, without_expert_entries
 
         ep_plan = hf_ep_plan(model)
+        if state.pp > 1 and getattr(_config(model), "output_router_logits", False):
+            raise NotImplementedError("torchpp.parallelize: output_router_logits=True (the load-balancing loss) under a "
+                                      f"pipeline (pp={state.pp}) is not supported: transformers adds it in the causal "
+                                      f"LM's forward, which a pipeline does not run whole; set it False with pp > 1")
         if not any(style == "ep_dispatch_experts" for style in resolve_plan(model, ep_plan, False).values()):
             raise PlanError(f"torchpp.parallelize: ep={state.ep}, but the expert-parallel plan {ep_plan} matches no "
                             f"experts module of {type(model).__name__}")
