@@ -24,6 +24,15 @@ def test_ep2_tp2_equals_unwrapped(ranks, expert_tensor_parallel):
     assert all(("(2, 96, 64)" in r) == expert_tensor_parallel for r in results), results
 
 
+@pytest.mark.parametrize("options", [dict(ep=2), dict(ep=2, zero=True), dict(ep=2, tp=2, zero=True)],
+                         ids=["dp4", "dp4-zero1", "tp2-dp2-zero1"])
+def test_ep_optimizer_reduces_clips_and_shards_expert_state(ranks, options):
+    # dp=4, ep=2: each expert is held by 2 ranks (expert_dp_group), which alone reduce (or, under
+    # ZeRO-1, shard) its gradients; clipping at 0.5 needs the global norm with each expert once.
+    results = ranks(4).run(check_ep, "mixtral", max_norm=0.5, timeout=TIMEOUT_S, **options)
+    assert all("experts {(2," in r for r in results), results
+
+
 @pytest.mark.parametrize("model_type, schedule, n_microbatches", [("qwen3_moe", "zb-h1", 2),
                                                                   ("mixtral", "dualpipe", 4)])
 def test_ep2_pp2_equals_unwrapped(ranks, model_type, schedule, n_microbatches):

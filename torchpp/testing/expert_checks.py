@@ -32,7 +32,19 @@ def check_ep(model_type: str, ep: int = 2, tp: int = 1, **extra) -> str:
         return _check_ep(model_type, ep, tp, **extra)
 
 
-def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = False, **extra) -> str:
+def _clip_reference(model, max_norm):
+    """The unwrapped model's global gradient norm, its gradients clipped as torch clips them."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+    if max_norm is not None:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale)
+    return norm
+
+
+def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = False, zero: bool = False,
+              max_norm=None, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, ep=ep)
     model = tiny_model(model_type, output_router_logits=True, router_aux_loss_coef=AUX_COEF, **extra)
     reference = copy.deepcopy(model)
@@ -40,12 +52,14 @@ def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = 
     reference.loss_function = exact_causal_lm_loss
     ref = reference(input_ids=ids, labels=labels, use_cache=False)
     ref.loss.backward()
+    ref_norm = _clip_reference(reference, max_norm)
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     _sgd(reference.parameters())
 
     wrapped = parallelize(model, state=state, ep=ep, expert_tensor_parallel=expert_tensor_parallel)
     wrapped.loss_function = exact_causal_lm_loss
-    optimizer = DistributedOptimizer(wrapped.named_parameters(), torch.optim.SGD, state, lr=LR)
+    optimizer = DistributedOptimizer(wrapped.named_parameters(), torch.optim.SGD, state, lr=LR, zero=zero,
+                                     max_norm=max_norm)
     optimizer.zero_grad()
     rows = BATCH // state.dp
     mine = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
@@ -58,8 +72,12 @@ def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = 
     mean_loss = out.loss.detach().clone()
     dist.all_reduce(mean_loss, group=state.dp_group)
     assert_close(mean_loss / state.dp, ref.loss, f"{what} loss (mean over dp ranks)")
-    optimizer.step()
-    compared = _compare_grads(wrapped, ref_grads, what)
+    norm = optimizer.step()
+    assert_close(norm, ref_norm, f"{what} global gradient norm")  # each expert counted once
+    if not zero:  # ZeRO-1 leaves each rank its shard of the reduced gradients
+        compared = _compare_grads(wrapped, ref_grads, what)
+    else:
+        compared = 0
     _compare_values(wrapped, reference, what)
     experts = [p for p in wrapped.parameters() if getattr(p, "expert_parallel", None)]
     assert experts, f"{what}: no expert-parallel parameter"
