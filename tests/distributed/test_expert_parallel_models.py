@@ -61,3 +61,31 @@ def check_ep_errors():
 
 def test_ep_errors_name_values(ranks):
     assert ranks(2).run(check_ep_errors) == [True, True]
+
+
+def check_capacity(capacity_factor):
+    import torch
+
+    import torchpp
+    from torchpp.models import parallelize
+    from torchpp.testing.expert_checks import full_batch
+    from torchpp.testing.tiny_models import tiny_model
+
+    state = torchpp.init_parallel(ep=2)
+    model = tiny_model("mixtral")
+    reference = tiny_model("mixtral")
+    ids, labels = full_batch(model.config.vocab_size)
+    mine = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)
+    wrapped = parallelize(model, state=state, ep=2, capacity_factor=capacity_factor)
+    loss = wrapped(input_ids=ids[mine], labels=labels[mine], use_cache=False).loss
+    expected = reference(input_ids=ids[mine], labels=labels[mine], use_cache=False).loss
+    return dict(wrapped.ep_dropped), bool(torch.allclose(loss, expected, rtol=1e-9, atol=0))
+
+
+def test_capacity_factor_reports_dropped_pairs(ranks):
+    # 32 tokens x 2 slots over 4 experts per rank: capacity 4 (factor 0.25) must drop; factor 4
+    # (capacity 64) never does, and the loss is then the unwrapped model's.
+    for dropped, same in ranks(2).run(check_capacity, 0.25, timeout=TIMEOUT_S):
+        assert len(dropped) == 4 and all(n > 0 for n in dropped.values()) and not same, dropped
+    for dropped, same in ranks(2).run(check_capacity, 4.0, timeout=TIMEOUT_S):
+        assert len(dropped) == 4 and all(n == 0 for n in dropped.values()) and same, dropped
