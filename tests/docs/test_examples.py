@@ -200,3 +200,11 @@ def test_llama_demo_post_validated_trains_as_the_synchronous_run(tmp_path, fp16_
     # printed losses are the synchronous run's.
     assert losses(output) == losses(fp16_demo_output), output[-2000:]
     assert re.findall(r"re-runs (\d+)", output) == ["0", "1", "2", "3"], output[-2000:]
+
+
+def test_expert_parallel_page_example_trains(tmp_path):
+    (tmp_path / "ep_mixtral.py").write_text(python_block("expert_parallel.md", "`ep_mixtral.py`"))
+    output = run(["ep_mixtral.py"], tmp_path, nproc=2)
+    assert output.count("experts 2 of 4") == 2, output
+    found = losses(output)
+    assert sorted(found) == list(range(5)) and found[4] < found[0], found
