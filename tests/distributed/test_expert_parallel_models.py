@@ -16,6 +16,12 @@ def test_ep2_equals_unwrapped(ranks, model_type):
     assert all("experts {(2," in r for r in results), results  # 4 experts, 2 per rank
 
 
+def test_data_parallel_aux_loss_is_the_whole_batchs(ranks):
+    # ep=1, dp=2: no expert split, but the load-balancing loss still spans both ranks' rows.
+    results = ranks(2).run(check_ep, "mixtral", ep=1, timeout=TIMEOUT_S)
+    assert all("experts set()" in r for r in results), results
+
+
 @pytest.mark.parametrize("expert_tensor_parallel", [False, True])
 def test_ep2_tp2_equals_unwrapped(ranks, expert_tensor_parallel):
     results = ranks(4).run(check_ep, "mixtral", ep=2, tp=2, expert_tensor_parallel=expert_tensor_parallel,

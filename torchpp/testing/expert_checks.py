@@ -80,7 +80,7 @@ def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = 
         compared = 0
     _compare_values(wrapped, reference, what)
     experts = [p for p in wrapped.parameters() if getattr(p, "expert_parallel", None)]
-    assert experts, f"{what}: no expert-parallel parameter"
+    assert bool(experts) == (ep > 1), f"{what}: {len(experts)} expert-parallel parameters"
     local = {tuple(p.shape) for p in experts}
     aux = f"aux {out.aux_loss.item():.6f}" if has_aux else "no aux loss"
     return f"loss {mean_loss.item() / state.dp:.6f}, {aux}, {compared} grads, experts {local}"
