@@ -70,6 +70,17 @@ def _save_hf(directory):
     reloaded = type(model).from_pretrained(directory)
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, want[name]), f"saved {name}"
+    # And back: a meta-device model wrapped at ep=2 takes its experts out of the folder.
+    from torchpp.models import load_hf_weights
+
+    from transformers import MixtralForCausalLM
+
+    with torch.device("meta"):
+        empty = MixtralForCausalLM(model.config).to(torch.float64)
+    loaded = parallelize(empty, state=state, ep=2)
+    load_hf_weights(loaded, directory)
+    for name, value in loaded.full_state_dict().items():
+        assert torch.equal(value, want[name]), f"loaded {name}"
     return len(names)
 
 
