@@ -22,31 +22,6 @@ def test_data_parallel_aux_loss_is_the_whole_batchs(ranks):
     assert all("experts set()" in r for r in results), results
 
 
-@pytest.mark.parametrize("expert_tensor_parallel", [False, True])
-def test_ep2_tp2_equals_unwrapped(ranks, expert_tensor_parallel):
-    results = ranks(4).run(check_ep, "mixtral", ep=2, tp=2, expert_tensor_parallel=expert_tensor_parallel,
-                           timeout=TIMEOUT_S)
-    # Whole experts [2, 2I, h] per rank, or (ETP) each split over TP too.
-    assert all(("(2, 96, 64)" in r) == expert_tensor_parallel for r in results), results
-
-
-@pytest.mark.parametrize("options", [dict(ep=2), dict(ep=2, zero=True), dict(ep=2, tp=2, zero=True)],
-                         ids=["dp4", "dp4-zero1", "tp2-dp2-zero1"])
-def test_ep_optimizer_reduces_clips_and_shards_expert_state(ranks, options):
-    # dp=4, ep=2: each expert is held by 2 ranks (expert_dp_group), which alone reduce (or, under
-    # ZeRO-1, shard) its gradients; clipping at 0.5 needs the global norm with each expert once.
-    results = ranks(4).run(check_ep, "mixtral", max_norm=0.5, timeout=TIMEOUT_S, **options)
-    assert all("experts {(2," in r for r in results), results
-
-
-@pytest.mark.parametrize("model_type, schedule, n_microbatches", [("qwen3_moe", "zb-h1", 2),
-                                                                  ("mixtral", "dualpipe", 4)])
-def test_ep2_pp2_equals_unwrapped(ranks, model_type, schedule, n_microbatches):
-    results = ranks(4).run(check_ep_pp, model_type, ep=2, pp=2, schedule=schedule, n_microbatches=n_microbatches,
-                           timeout=TIMEOUT_S)
-    assert all("grads" in r for r in results), results
-
-
 def check_ep_errors():
     import pytest
     import torchpp
@@ -95,3 +70,31 @@ def test_capacity_factor_reports_dropped_pairs(ranks):
         assert len(dropped) == 4 and all(n > 0 for n in dropped.values()) and not same, dropped
     for dropped, same in ranks(2).run(check_capacity, 4.0, timeout=TIMEOUT_S):
         assert len(dropped) == 4 and all(n == 0 for n in dropped.values()) and same, dropped
+
+
+# 4 ranks (after the 2-rank tests: the harness keeps one pool alive at a time).
+@pytest.mark.parametrize("expert_tensor_parallel", [False, True])
+def test_ep2_tp2_equals_unwrapped(ranks, expert_tensor_parallel):
+    results = ranks(4).run(check_ep, "mixtral", ep=2, tp=2, expert_tensor_parallel=expert_tensor_parallel,
+                           timeout=TIMEOUT_S)
+    # Whole experts [2, 2I, h] per rank, or (ETP) each split over TP too.
+    assert all(("(2, 96, 64)" in r) == expert_tensor_parallel for r in results), results
+
+
+@pytest.mark.parametrize("options", [dict(ep=2), dict(ep=2, zero=True), dict(ep=2, tp=2, zero=True), dict(ep=4)],
+                         ids=["dp4-ep2", "dp4-ep2-zero1", "tp2-dp2-ep2-zero1", "dp4-ep4"])
+def test_ep_optimizer_reduces_clips_and_shards_expert_state(ranks, options):
+    # dp=4, ep=2: each expert is held by 2 ranks (expert_dp_group), which alone reduce (or, under
+    # ZeRO-1, shard) its gradients; clipping at 0.5 needs the global norm with each expert once.
+    # ep=4: one expert per rank.
+    results = ranks(4).run(check_ep, "mixtral", max_norm=0.5, timeout=TIMEOUT_S, **options)
+    per_rank = 4 // options["ep"]
+    assert all(f"experts {{({per_rank}," in r for r in results), results
+
+
+@pytest.mark.parametrize("model_type, schedule, n_microbatches", [("qwen3_moe", "zb-h1", 2),
+                                                                  ("mixtral", "dualpipe", 4)])
+def test_ep2_pp2_equals_unwrapped(ranks, model_type, schedule, n_microbatches):
+    results = ranks(4).run(check_ep_pp, model_type, ep=2, pp=2, schedule=schedule, n_microbatches=n_microbatches,
+                           timeout=TIMEOUT_S)
+    assert all("grads" in r for r in results), results
