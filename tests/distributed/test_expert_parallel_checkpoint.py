@@ -16,14 +16,16 @@ from torchpp.testing.tiny_models import tiny_model
 TIMEOUT_S = 240
 
 
-def _steps(ep, root, save_after=False, load=False):
-    """Two AdamW steps of Mixtral at this ep (dp=2, each rank its own rows); saves after the
-    first, or loads before the second (skipping the first). Returns the second step's mean loss."""
+def _steps(ep, root, save_after=False, load=False, tp=1):
+    """Two AdamW steps of Mixtral at this ep (and tp, with experts split over TP too; dp=2,
+    each dp rank its own rows); saves after the first, or loads before the second (skipping the
+    first). Returns the second step's mean loss."""
     from torchpp.checkpoint import load_checkpoint, save_checkpoint
     from torchpp.parallel import DistributedOptimizer
 
-    state = torchpp.init_parallel(ep=ep)
-    model = parallelize(tiny_model("mixtral", seed=1234 if not load else 99), state=state, ep=ep)
+    state = torchpp.init_parallel(tp=tp, ep=ep)
+    model = parallelize(tiny_model("mixtral", seed=1234 if not load else 99), state=state, ep=ep,
+                        expert_tensor_parallel=tp > 1)
     optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, lr=1e-2)
     ids, labels = full_batch(model.config.vocab_size)
     mine = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)
@@ -39,7 +41,7 @@ def _steps(ep, root, save_after=False, load=False):
         if step == 0 and save_after:
             save_checkpoint(root, 1, model, optimizer, state=state)
     mean = loss.detach().clone()
-    dist.all_reduce(mean)
+    dist.all_reduce(mean, group=state.dp_group)
     return mean.item() / 2
 
 
@@ -87,3 +89,12 @@ def _save_hf(directory):
 def test_save_hf_checkpoint_writes_every_expert_in_transformers_layout(ranks, tmp_path):
     counts = ranks(2).run(_save_hf, str(tmp_path / "hf"), timeout=TIMEOUT_S)
     assert counts[0] == counts[1] > 0
+
+
+def test_dcp_checkpoint_at_ep2_tp2_with_etp_reloads_at_ep1(ranks, tmp_path):
+    # 4 ranks, tp=2 x dp=2: experts split over ep=2 and (ETP) over tp, saved whole, reloaded at ep=1
+    # (experts split over tp only, by the TP plan).
+    root = str(tmp_path / "etp")
+    saved = ranks(4).run(_steps, 2, root, save_after=True, tp=2, timeout=TIMEOUT_S)
+    loaded = ranks(4).run(_steps, 1, root, load=True, tp=2, timeout=TIMEOUT_S)
+    assert abs(loaded[0] - saved[0]) <= 1e-9 * abs(saved[0]), (saved, loaded)

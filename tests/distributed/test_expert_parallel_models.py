@@ -92,8 +92,10 @@ def test_ep_optimizer_reduces_clips_and_shards_expert_state(ranks, options):
     assert all(f"experts {{({per_rank}," in r for r in results), results
 
 
-@pytest.mark.parametrize("model_type, schedule, n_microbatches", [("qwen3_moe", "zb-h1", 2),
-                                                                  ("mixtral", "dualpipe", 4)])
+@pytest.mark.parametrize("model_type, schedule, n_microbatches", [("qwen3_moe", "zb-h1", 2), ("mixtral", "zb-h1", 2),
+                                                                  ("qwen3_moe", "dualpipe", 4),
+                                                                  ("mixtral", "dualpipe", 4),
+                                                                  ("mixtral", "dualpipe-v", 4)])
 def test_ep2_pp2_equals_unwrapped(ranks, model_type, schedule, n_microbatches):
     results = ranks(4).run(check_ep_pp, model_type, ep=2, pp=2, schedule=schedule, n_microbatches=n_microbatches,
                            timeout=TIMEOUT_S)
