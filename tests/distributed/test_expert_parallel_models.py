@@ -16,6 +16,14 @@ def test_ep2_equals_unwrapped(ranks, model_type):
     assert all("experts {(2," in r for r in results), results  # 4 experts, 2 per rank
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_every_token_to_one_ranks_experts(ranks, model_type):
+    # Routers send every token to experts 0 and 1 (rank 0's): rank 1's experts get no rows and
+    # no gradient, which must still reduce, clip and step as the unwrapped model's zeros.
+    results = ranks(2).run(check_ep, model_type, ep=2, route_to=[0, 1], max_norm=0.5, timeout=TIMEOUT_S)
+    assert all("experts {(2," in r for r in results), results
+
+
 def test_data_parallel_aux_loss_is_the_whole_batchs(ranks):
     # ep=1, dp=2: no expert split, but the load-balancing loss still spans both ranks' rows.
     results = ranks(2).run(check_ep, "mixtral", ep=1, timeout=TIMEOUT_S)

@@ -95,6 +95,10 @@ class ExpertParallelExperts:
             local_index = torch.repeat_interleave(torch.arange(local, device=rows.device), counts).unsqueeze(1)
             ones = torch.ones(rows.size(0), 1, dtype=top_k_weights.dtype, device=rows.device)
             expert_rows = own_forward(module, rows, local_index, ones)
+            if rows.requires_grad and not expert_rows.requires_grad:
+                # A rank that received no rows (its experts' output is a fresh empty tensor) must
+                # still reach moe_dispatch's backward: its peers' gradients travel by all-to-all.
+                expert_rows = expert_rows + rows.sum() * 0
             return ops.moe_combine(expert_rows, top_k_weights, routing)
 
         module.forward = forward

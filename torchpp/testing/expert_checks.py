@@ -43,11 +43,25 @@ def _clip_reference(model, max_norm):
     return norm
 
 
+def route_everything_to(model, experts) -> None:
+    """Makes every router of ``model`` send every token to ``experts`` (its top-k indices
+    replaced; the weights stay the router's), e.g. all to the first rank's experts."""
+    for module in model.modules():
+        if type(module).__name__.endswith("Router") and hasattr(module, "top_k"):
+            def hook(module, args, output):
+                logits, weights, index = output
+                return logits, weights, torch.tensor(experts).expand_as(index).contiguous()
+            module.register_forward_hook(hook)
+
+
 def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = False, zero: bool = False,
-              max_norm=None, **extra) -> str:
+              max_norm=None, route_to=None, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, ep=ep)
     model = tiny_model(model_type, output_router_logits=True, router_aux_loss_coef=AUX_COEF, **extra)
     reference = copy.deepcopy(model)
+    if route_to is not None:
+        route_everything_to(model, route_to)
+        route_everything_to(reference, route_to)
     ids, labels = full_batch(model.config.vocab_size)
     reference.loss_function = exact_causal_lm_loss
     ref = reference(input_ids=ids, labels=labels, use_cache=False)
