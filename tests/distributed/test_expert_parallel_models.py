@@ -45,6 +45,8 @@ def check_ep_errors():
     state = torchpp.init_parallel(pp=2)
     with pytest.raises(ValueError, match=r"ep=2 disagree with the parallel state \(tp=1, pp=2, ep=1\)"):
         parallelize(tiny_model("mixtral"), state=state, ep=2)
+    with pytest.raises(ValueError, match=r"capacity_factor=1.5 applies to expert parallelism; .* has ep=1"):
+        parallelize(tiny_model("mixtral"), state=state, capacity_factor=1.5)
     return True
 
 
@@ -108,3 +110,19 @@ def test_ep2_pp2_equals_unwrapped(ranks, model_type, schedule, n_microbatches):
     results = ranks(4).run(check_ep_pp, model_type, ep=2, pp=2, schedule=schedule, n_microbatches=n_microbatches,
                            timeout=TIMEOUT_S)
     assert all("grads" in r for r in results), results
+
+
+def check_aux_loss_under_pp_raises():
+    import pytest
+    import torchpp
+    from torchpp.models import parallelize
+    from torchpp.testing.tiny_models import tiny_model
+
+    state = torchpp.init_parallel(pp=2, ep=2)
+    with pytest.raises(NotImplementedError, match=r"output_router_logits=True .* \(pp=2\) is not supported"):
+        parallelize(tiny_model("mixtral", output_router_logits=True), state=state, ep=2, schedule="zb-h1")
+    return True
+
+
+def test_aux_loss_under_pp_raises(ranks):
+    assert ranks(4).run(check_aux_loss_under_pp_raises) == [True] * 4

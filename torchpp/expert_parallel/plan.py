@@ -2,11 +2,11 @@
 parameter globs -> ``ep_dispatch_experts`` / ``grouped_gemm``)."""
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional, Tuple
 
 from torch import nn
 
-from torchpp.tensor_parallel.plan import glob_pattern
+from torchpp.tensor_parallel.plan import glob_pattern, resolve_plan
 from torchpp.tensor_parallel.styles import PlanError
 
 
@@ -28,3 +28,22 @@ def without_expert_entries(tp_plan: Mapping[str, str], ep_plan: Mapping[str, str
     # A TP glob naming the same modules as an EP glob (the same glob text, modulo the prefix).
     return {glob: style for glob, style in tp_plan.items()
             if not any(p.match(glob.replace("*", "0")) for p in patterns)}
+
+
+def expert_plans(model: nn.Module, state, tp_plan: Mapping[str, str], expert_tensor_parallel: bool,
+                 capacity_factor: Optional[float]) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """(the EP plan, the TP plan to apply with it) for ``parallelize(model, ep=state.ep)``;
+    raises, naming the values, for what expert parallelism cannot do here."""
+    if state.ep == 1:
+        raise ValueError(f"torchpp.parallelize: capacity_factor={capacity_factor} applies to expert parallelism; "
+                         f"the parallel state has ep=1")
+    ep_plan = hf_ep_plan(model)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if state.pp > 1 and getattr(config, "output_router_logits", False):
+        raise NotImplementedError("torchpp.parallelize: output_router_logits=True (the load-balancing loss) under a "
+                                  f"pipeline (pp={state.pp}) is not supported: transformers adds it in the causal LM's "
+                                  f"forward, which a pipeline does not run whole; set it False with pp > 1")
+    if not any(style == "ep_dispatch_experts" for style in resolve_plan(model, ep_plan, False).values()):
+        raise PlanError(f"torchpp.parallelize: ep={state.ep}, but the expert-parallel plan {ep_plan} matches no "
+                        f"experts module of {type(model).__name__}")
+    return ep_plan, dict(tp_plan) if expert_tensor_parallel else without_expert_entries(tp_plan, ep_plan)

@@ -597,19 +597,10 @@ def parallelize(
     strict = plan is not None
     ctx = _tp_context(model, state, sequence_parallel, split_bw=state.pp > 1)
     ep_plan = None
-    if state.ep > 1:
-        from torchpp.expert_parallel.plan import hf_ep_plan, without_expert_entries
+    if state.ep > 1 or capacity_factor is not None:  # bad ep plans raise before anything changes
+        from torchpp.expert_parallel.plan import expert_plans
 
-        ep_plan = hf_ep_plan(model)
-        if state.pp > 1 and getattr(_config(model), "output_router_logits", False):
-            raise NotImplementedError("torchpp.parallelize: output_router_logits=True (the load-balancing loss) under a "
-                                      f"pipeline (pp={state.pp}) is not supported: transformers adds it in the causal "
-                                      f"LM's forward, which a pipeline does not run whole; set it False with pp > 1")
-        if not any(style == "ep_dispatch_experts" for style in resolve_plan(model, ep_plan, False).values()):
-            raise PlanError(f"torchpp.parallelize: ep={state.ep}, but the expert-parallel plan {ep_plan} matches no "
-                            f"experts module of {type(model).__name__}")
-        if not expert_tensor_parallel:
-            tp_plan = without_expert_entries(tp_plan, ep_plan)
+        ep_plan, tp_plan = expert_plans(model, state, tp_plan, expert_tensor_parallel, capacity_factor)
     if state.tp > 1:  # bad plans and head counts raise before anything changes
         _check_heads(resolve_plan(model, tp_plan, strict), ctx)
 
