@@ -13,13 +13,15 @@ The schemas, kernels and autograd live in C++ (csrc/ops). These wrappers only tu
 | scatter_to_sp_region         | keep own sequence slice    | all-gather               |
 | gather_from_sp_region (g)    | all-gather along sequence  | reduce-scatter           |
 | reduce_scatter_to_sp_region  | reduce-scatter along seq.  | all-gather               |
+| moe_dispatch                 | routed rows to experts     | rows back, summed/token  |
+| moe_combine                  | rows back, weighted sum    | rows to experts; weights |
 
 Over gloo, every collective is preceded by a check that all ranks pass the same shape and
 dtype (see ``set_collective_checks``).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,10 @@ __all__ = [
     "scatter_to_sp_region",
     "gather_from_sp_region",
     "reduce_scatter_to_sp_region",
+    "MoeRouting",
+    "moe_route",
+    "moe_dispatch",
+    "moe_combine",
     "collective_checks",
     "set_collective_checks",
 ]
@@ -104,6 +110,59 @@ def gather_from_sp_region(input: torch.Tensor, group: GroupLike = None, dim: int
 def reduce_scatter_to_sp_region(input: torch.Tensor, group: GroupLike = None, dim: int = 0) -> torch.Tensor:
     """Sequence-parallel g-bar: reduce-scatters along the sequence forward; all-gathers backward."""
     return _sized(torch.ops.torchpp.reduce_scatter_to_sp_region, input, group, dim)
+
+
+class MoeRouting(NamedTuple):
+    """Where one rank's routed (token, slot) pairs go (``moe_route``); ``dropped``: pairs over capacity."""
+
+    order: torch.Tensor
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    dropped: torch.Tensor
+    top_k: int
+    num_tokens: int
+    group_name: str
+    group_size: int
+
+    @property
+    def tokens_per_local_expert(self) -> torch.Tensor:
+        """Rows each of this rank's experts receives (moe_dispatch's blocks, in expert order)."""
+        return self.recv_counts.sum(0)
+
+
+def moe_route(expert_index: torch.Tensor, num_experts: int, group: GroupLike = None,
+              capacity_factor: Optional[float] = None) -> MoeRouting:
+    """Plans the all-to-all of routed tokens: ``num_experts`` split evenly over ``group`` (rank r
+    holds experts [r E/g, (r+1) E/g)); the per-expert counts are exchanged over the group.
+
+    Args:
+        expert_index: [tokens, top_k] expert of each (token, slot) pair.
+        num_experts: experts in all (a multiple of the group size).
+        group: the expert-parallel group (a ProcessGroup or its name).
+        capacity_factor: None (dropless) or the factor of Switch Transformer's capacity: each
+            expert keeps at most ceil(factor * tokens * top_k / num_experts) of this rank's pairs
+            (earlier tokens first); the rest are dropped, counted in ``dropped``.
+    """
+    resolved = group_of(group)
+    order, send, recv, dropped = torch.ops.torchpp.moe_route(expert_index, num_experts, resolved.group_name,
+                                                             resolved.size(), capacity_factor)
+    return MoeRouting(order, send, recv, dropped, expert_index.size(1), expert_index.size(0), resolved.group_name,
+                      resolved.size())
+
+
+def moe_dispatch(hidden: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
+    """Rows of ``hidden`` [tokens, h] for every routed pair, on the ranks of their experts:
+    [routing.tokens_per_local_expert.sum(), h], one block per local expert."""
+    return torch.ops.torchpp.moe_dispatch(hidden, routing.order, routing.send_counts, routing.recv_counts,
+                                          routing.top_k, routing.group_name, routing.group_size)
+
+
+def moe_combine(expert_output: torch.Tensor, weights: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
+    """The experts' output rows back on their tokens' ranks, weighted by ``weights`` [tokens,
+    top_k] (the router's probabilities) and summed per token: [tokens, h]."""
+    return torch.ops.torchpp.moe_combine(expert_output, weights, routing.order, routing.send_counts,
+                                         routing.recv_counts, routing.num_tokens, routing.group_name,
+                                         routing.group_size)
 
 
 def collective_checks() -> bool:

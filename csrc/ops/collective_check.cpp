@@ -43,6 +43,8 @@ const char* kind_name(int64_t kind) {
       return "all-gather";
     case CollectiveKind::ReduceScatter:
       return "reduce-scatter";
+    case CollectiveKind::AllToAll:
+      return "all-to-all";
   }
   return "collective";
 }

@@ -17,7 +17,7 @@ class ProcessGroup;
 
 namespace torchpp {
 
-enum class CollectiveKind : int64_t { AllReduce = 1, AllGather = 2, ReduceScatter = 3 };
+enum class CollectiveKind : int64_t { AllReduce = 1, AllGather = 2, ReduceScatter = 3, AllToAll = 4 };
 
 void check_same_input(c10d::ProcessGroup& group, const std::string& group_name, const at::Tensor& input,
                       CollectiveKind kind, const char* op_name);

@@ -53,3 +53,31 @@ TORCH_LIBRARY_FRAGMENT(torchpp, m) {
         "Tensor lse, Tensor? segment_ids, str group_name, int group_size, bool causal, float? scale, str layout) "
         "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
 }
+
+// ---- Expert parallel: routed tokens to the ranks holding their experts (all-to-all) and back ----
+TORCH_LIBRARY_FRAGMENT(torchpp, m) {
+  // Where the (token, slot) pairs of expert_index [T, k] go, num_experts split evenly over the group
+  // (rank r holds experts [r E/g, (r+1) E/g)). order: the kept pairs' flat indices (token * k + slot) sorted
+  // by expert, token order within one; send_counts [E]: this rank's pairs per expert; recv_counts
+  // [g, E/g]: each rank's pairs for this rank's experts (exchanged over the group); dropped: pairs
+  // beyond an expert's capacity ceil(capacity_factor * T * k / E) of this rank's pairs (0 when None: dropless).
+  m.def("moe_route(Tensor expert_index, int num_experts, str group_name, int group_size, "
+        "float? capacity_factor=None) -> (Tensor order, Tensor send_counts, Tensor recv_counts, Tensor dropped)");
+  // The routed pairs' rows of hidden [T, h] on their experts' ranks: [recv_counts.sum(), h], grouped by
+  // local expert, source rank within one. Backward: the gradient rows back, summed per token.
+  m.def("moe_dispatch(Tensor hidden, Tensor order, Tensor send_counts, Tensor recv_counts, int top_k, "
+        "str group_name, int group_size) -> Tensor");
+  // The experts' output rows (as moe_dispatch gave them) back to their tokens' ranks, weighted by
+  // weights [T, k] and summed per token: [num_tokens, h]. Backward: gradients of the rows and weights.
+  m.def("moe_combine(Tensor expert_output, Tensor weights, Tensor order, Tensor send_counts, Tensor recv_counts, "
+        "int num_tokens, str group_name, int group_size) -> Tensor");
+  // Their halves: moe_dispatch's backward (rows back to their tokens, summed: [num_tokens, h]) ...
+  m.def("moe_undispatch(Tensor rows, Tensor order, Tensor send_counts, Tensor recv_counts, int top_k, "
+        "int num_tokens, str group_name, int group_size) -> Tensor");
+  // ... moe_combine's forward, with the rows as they came back to this rank [order.numel(), h] ...
+  m.def("moe_combine_forward(Tensor expert_output, Tensor weights, Tensor order, Tensor send_counts, "
+        "Tensor recv_counts, int num_tokens, str group_name, int group_size) -> (Tensor out, Tensor returned)");
+  // ... and its backward.
+  m.def("moe_combine_backward(Tensor grad_out, Tensor returned, Tensor weights, Tensor order, Tensor send_counts, "
+        "Tensor recv_counts, str group_name, int group_size) -> (Tensor grad_expert_output, Tensor grad_weights)");
+}

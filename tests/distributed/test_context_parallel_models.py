@@ -60,7 +60,7 @@ def check_errors():
         parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
     with pytest.raises(NotImplementedError, match="sliding window"):
         parallelize(tiny_model("mistral"), state=state)(input_ids=ids)
-    with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2\)"):
+    with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2, ep=1\)"):
         parallelize(tiny_model("llama"), cp=4, state=state)
     return True
 

@@ -228,3 +228,11 @@ def test_llama_demo_with_context_parallelism_trains_as_without(tmp_path):
     assert sorted(losses(whole)) == [1, 2, 3], whole[-2000:]
     for step, loss in losses(split).items():
         assert abs(loss - losses(whole)[step]) <= 1.5e-4, (split[-2000:], whole[-2000:])
+
+
+def test_expert_parallel_page_example_trains(tmp_path):
+    (tmp_path / "ep_mixtral.py").write_text(python_block("expert_parallel.md", "`ep_mixtral.py`"))
+    output = run(["ep_mixtral.py"], tmp_path, nproc=2)
+    assert output.count("experts 2 of 4") == 2, output
+    found = losses(output)
+    assert sorted(found) == list(range(5)) and found[4] < found[0], found

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchpp.checkpoint import directory
 from torchpp.checkpoint.chunks import ChunkedTensor
-from torchpp.checkpoint.layout import ModelLike, as_dtensor, gather_whole, named_parameters, saved_whole, tp_partition
+from torchpp.checkpoint.layout import ModelLike, WholeLayout, as_dtensor, named_parameters, saved_whole, tp_partition
 from torchpp.checkpoint.optimizer import optimizer_entries, optimizer_targets
 from torchpp.checkpoint.planner import ChunkedLoadPlanner, ChunkedSavePlanner
 from torchpp.checkpoint.rng import capture_rng, restore_rng, rng_key, source_key
@@ -62,8 +62,9 @@ def _model_entries(params, state: ParallelState, loading: bool = False):
     entries, whole = {}, {}
     for name, p in params.items():
         if saved_whole(p, state):
-            full = torch.empty(p.tp_layout.full_shape(p.shape, state.tp), dtype=p.dtype, device=p.device) \
-                if loading else gather_whole(p, p.tp_layout, state)
+            layout = WholeLayout(p, state)
+            full = torch.empty(layout.full_shape(p.shape), dtype=p.dtype, device=p.device) \
+                if loading else layout.gather(p)
             entries[MODEL_PREFIX + name] = as_dtensor(full, None, state)
             whole[name] = (p, full)
         else:
@@ -187,7 +188,7 @@ def load_checkpoint(
     entries[META] = None
     dcp.load(entries, storage_reader=reader, planner=ChunkedLoadPlanner(chunked))
     for param, full in whole.values():
-        param.copy_(param.tp_layout.shard(full, state.tp_rank, state.tp))
+        param.copy_(WholeLayout(param, state).shard(full))
     if targets is not None:
         targets.plain.update({k: entries[k] for k in targets.plain})  # objects were read into `entries`
         targets.install(optimizer)

@@ -72,11 +72,50 @@ def tp_partition(param: torch.Tensor, state: ParallelState) -> Optional[int]:
 def saved_whole(param: torch.Tensor, state: ParallelState) -> bool:
     """True when ``param``'s TP shard is not one contiguous block of the full tensor (fused
     blocks split block by block, heads copied over ranks, a vocabulary padded to a multiple of
-    tp): it is saved as the full tensor, so the files stay independent of the layout."""
+    tp), or when it holds this rank's experts (expert parallelism): it is saved as the full
+    tensor, so the files stay independent of the layout."""
+    if getattr(param, "expert_parallel", None) is not None:
+        return True
     layout = getattr(param, "tp_layout", None)
     if layout is None or isinstance(layout, Replicated) or state.tp == 1:
         return False
     return not (isinstance(layout, Split) and layout.full_size % state.tp == 0)
+
+
+class WholeLayout:
+    """How a tensor saved whole maps to this rank's part: its TP layout (``tp_layout``), and for
+    expert parameters, this rank's block of experts (dim 0) over the ep group first."""
+
+    def __init__(self, param: torch.Tensor, state: ParallelState):
+        self.tp = getattr(param, "tp_layout", None) if state.tp > 1 else None
+        if self.tp is not None and self.tp.dim is None:
+            self.tp = None  # replicated over TP
+        self.experts = getattr(param, "expert_parallel", None)  # (ep group, ep rank, ep size)
+        self.state = state
+
+    def full_shape(self, local_shape) -> torch.Size:
+        shape = list(self.tp.full_shape(local_shape, self.state.tp) if self.tp is not None else local_shape)
+        if self.experts is not None:
+            shape[0] *= self.experts[2]
+        return torch.Size(shape)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor (collective over TP, then the ep group)."""
+        full = gather_whole(local, self.tp, self.state) if self.tp is not None else local.detach().contiguous()
+        if self.experts is not None:
+            group, _, size = self.experts
+            shards = [torch.empty_like(full) for _ in range(size)]
+            dist.all_gather(shards, full, group=group)
+            full = torch.cat(shards)
+        return full
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full``."""
+        if self.experts is not None:
+            _, rank, size = self.experts
+            local = full.size(0) // size
+            full = full[rank * local:(rank + 1) * local]
+        return self.tp.shard(full, self.state.tp_rank, self.state.tp) if self.tp is not None else full
 
 
 def gather_whole(local: torch.Tensor, layout, state: ParallelState) -> torch.Tensor:

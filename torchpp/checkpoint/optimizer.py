@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from torchpp.checkpoint.chunks import ChunkedTensor
-from torchpp.checkpoint.layout import as_dtensor, gather_whole, global_shape_and_offset, saved_whole, tp_partition
+from torchpp.checkpoint.layout import WholeLayout, as_dtensor, global_shape_and_offset, saved_whole, tp_partition
 from torchpp.parallel.groups import ParallelState
 from torchpp.parallel.optimizer import DistributedOptimizer
 from torchpp.parallel.zero import ZeroRedundancyOptimizer, _Segment
@@ -75,12 +75,13 @@ def _per_element(leaf: _Leaf, local: torch.Tensor, state: ParallelState,
         if leaf.segment is not None:
             raise NotImplementedError(
                 f"torchpp.checkpoint: ZeRO-sharded optimizer state of {leaf.name}, whose TP layout "
-                f"{leaf.param.tp_layout!r} is not one contiguous block per rank, cannot be saved layout-independently")
-        param = leaf.param
+                f"{getattr(leaf.param, 'tp_layout', None)!r} is not one contiguous block per rank (or which holds "
+                f"this rank's experts), cannot be saved layout-independently")
+        layout = WholeLayout(leaf.param, state)
         if loading:
-            full = torch.empty(param.tp_layout.full_shape(local.shape, state.tp), dtype=local.dtype, device=local.device)
+            full = torch.empty(layout.full_shape(local.shape), dtype=local.dtype, device=local.device)
         else:
-            full = gather_whole(local, param.tp_layout, state)
+            full = layout.gather(local)
         return as_dtensor(full, None, state), False, full
     dim = tp_partition(leaf.param, state)
     if leaf.segment is None:
@@ -128,8 +129,8 @@ class OptimizerTargets:
     def install(self, optimizer) -> None:
         """Puts the loaded tensors and group options into the optimizer (after the DCP load)."""
         inner = _inner(_unwrap(optimizer))
-        for local, full, (layout, rank, size) in self.whole:
-            local.copy_(layout.shard(full, rank, size))
+        for local, full, layout in self.whole:
+            local.copy_(layout.shard(full))
         for leaf, key, local in self.slots:
             value = local if local is not None else self.plain[f"{STATE_PREFIX}{leaf.name}.{key}"]
             inner.state[leaf.tensor][key] = value
@@ -173,7 +174,7 @@ def optimizer_targets(optimizer, params: Mapping[str, nn.Parameter], state: Para
                 local = torch.empty_like(leaf.tensor, dtype=dtype, memory_format=torch.contiguous_format)
                 entry, is_chunked, full = _per_element(leaf, local, state, loading=True)
                 if full is not None:
-                    targets.whole.append((local, full, (leaf.param.tp_layout, state.tp_rank, state.tp)))
+                    targets.whole.append((local, full, WholeLayout(leaf.param, state)))
                 (targets.chunked if is_chunked else targets.plain)[fqn] = entry
             else:
                 # torch.optim keeps "step" on the CPU unless capturable/fused (see Optimizer.load_state_dict).
@@ -186,7 +187,7 @@ def optimizer_targets(optimizer, params: Mapping[str, nn.Parameter], state: Para
 
 def _is_per_element(md: TensorStorageMetadata, leaf: _Leaf, state: ParallelState) -> bool:
     if saved_whole(leaf.param, state):
-        shape = leaf.param.tp_layout.full_shape(leaf.param.shape, state.tp)
+        shape = WholeLayout(leaf.param, state).full_shape(leaf.param.shape)
     else:
         shape, _ = global_shape_and_offset(leaf.param, tp_partition(leaf.param, state), state)
     return len(md.size) > 0 and md.size == shape

@@ -107,7 +107,7 @@ def load_hf_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
 
     Works on a model wrapped from the meta device (see the module docstring) and on one with
     real weights (overwritten). Local: no communication; each rank reads only the tensors of
-    its own stages, and cuts its TP shard by each parameter's ``tp_layout``. A tied head absent
+    its own stages, its experts (expert parallelism), and cuts its TP shard by each parameter's ``tp_layout``. A tied head absent
     from the checkpoint (transformers does not save it) takes the embedding's tensor.
 
     Args:
@@ -128,6 +128,9 @@ def load_hf_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
         key = name if name in reader or name not in tied else tied[name]
         full = disk.read(key, reader) if disk is not None and key not in reader else None
         full = reader[key] if full is None else full
+        experts = getattr(param, "expert_parallel", None)  # (ep group, rank, size): this rank's experts first
+        if experts is not None and full.size(0) == param.size(0) * experts[2]:
+            full = full.narrow(0, experts[1] * param.size(0), param.size(0))
         layout = getattr(param, "tp_layout", None)
         expected = param.shape if layout is None or layout.dim is None else layout.full_shape(param.shape, tp_size)
         if full.shape != expected:

@@ -95,15 +95,18 @@ def _placement(schedule: str, pp: int, n_microbatches: int, pp_rank: int):
 
 
 def _resolve_state(state: Optional[ParallelState], tp_size: Optional[int], pp: Optional[int],
-                   cp: Optional[int] = None) -> ParallelState:
+                   cp: Optional[int] = None, ep: Optional[int] = None) -> ParallelState:
     if state is None:
         try:
             state = get_parallel_state()
         except RuntimeError:
-            return init_parallel(tp=tp_size or 1, pp=pp or 1, cp=cp or 1)
-    if (tp_size or state.tp) != state.tp or (pp or state.pp) != state.pp or (cp or state.cp) != state.cp:
-        raise ValueError(f"torchpp.parallelize: tp={tp_size}, pp={pp}, cp={cp} disagree with the parallel state "
-                         f"(tp={state.tp}, pp={state.pp}, cp={state.cp}); pass state= or matching sizes")
+            return init_parallel(tp=tp_size or 1, pp=pp or 1, cp=cp or 1, ep=ep or 1)
+    asked = {"tp": tp_size, "pp": pp, "cp": cp, "ep": ep}
+    if any(size is not None and size != getattr(state, name) for name, size in asked.items()):
+        given = ", ".join(f"{name}={size}" for name, size in asked.items() if size is not None)
+        held = ", ".join(f"{name}={getattr(state, name)}" for name in asked)
+        raise ValueError(f"torchpp.parallelize: {given} disagree with the parallel state ({held}); pass state= "
+                         f"or matching sizes")
     return state
 
 
@@ -299,7 +302,8 @@ class _ParallelMixin:
     @torch.no_grad()
     def full_state_dict(self, grads: bool = False) -> Dict[str, torch.Tensor]:
         """This rank's parameters (or their gradients) as the unsharded model's full tensors, by
-        their names (a tied one under each of its names). Collective over the TP group.
+        their names (a tied one under each of its names). Collective over the TP group (and the
+        expert-parallel group, for expert parameters).
 
         Args:
             grads: return gradients (zeros where none) instead of values.
@@ -316,6 +320,11 @@ class _ParallelMixin:
                     shards = [torch.empty_like(local) for _ in range(group.size())]
                     dist.all_gather(shards, local, group=group)
                     local = layout(shards)
+                experts = getattr(param, "expert_parallel", None)  # (ep group, rank, size): whole experts
+                if experts is not None and experts[2] > 1:
+                    shards = [torch.empty_like(local) for _ in range(experts[2])]
+                    dist.all_gather(shards, local, group=experts[0])
+                    local = torch.cat(shards)
                 gathered[id(param)] = local
             out[name] = gathered[id(param)]
         return out
@@ -551,6 +560,9 @@ def parallelize(
     cp: Optional[int] = None,
     cp_mode: str = "ring",
     cp_layout: str = "zigzag",
+    ep: Optional[int] = None,
+    capacity_factor: Optional[float] = None,
+    expert_tensor_parallel: bool = False,
 ) -> nn.Module:
     """Shards ``model`` in place over tensor- and pipeline-parallel ranks, by plan.
 
@@ -604,12 +616,21 @@ def parallelize(
             "all-gather".
         cp_layout: "zigzag" (rank r holds chunks r and 2c-1-r of 2c: causal work balanced) or
             "contiguous".
+        ep: expert-parallel size (default: the parallel state's): each rank of ``state.ep_group``
+            holds E/ep whole experts of every MoE layer (the model's ``base_model_ep_plan``), tokens
+            reach them by all-to-all (torchpp.expert_parallel); the routers stay replicated. Each
+            data-parallel rank feeds its own batch slice; with ``output_router_logits`` the
+            load-balancing loss is the whole batch's (router logits all-gathered over dp x cp).
+        capacity_factor: None (dropless, default) or each expert's capacity as a factor of an even
+            share of a rank's routed pairs; dropped pairs per experts module: ``model.ep_dropped``.
+        expert_tensor_parallel: with tp > 1 and ep > 1, also split each expert over TP (the TP plan's
+            expert entries); default False: whole experts, replicated over TP.
 
     Returns:
         ``model`` itself, parallelized.
     """
     check_recompute_mode(recompute)
-    state = _resolve_state(state, tp, pp, cp)
+    state = _resolve_state(state, tp, pp, cp, ep)
     _ensure_tp_rng(state)
     hf = is_transformers_model(model)
     fixups = None
@@ -636,6 +657,11 @@ def parallelize(
     num_stages, mine, rank_of, num_pipelines = _placement(schedule, state.pp, n_microbatches, state.pp_rank)
     strict = plan is not None
     ctx = _tp_context(model, state, sequence_parallel, split_bw=state.pp > 1)
+    ep_plan = None
+    if state.ep > 1 or capacity_factor is not None:  # bad ep plans raise before anything changes
+        from torchpp.expert_parallel.plan import expert_plans
+
+        ep_plan, tp_plan = expert_plans(model, state, tp_plan, expert_tensor_parallel, capacity_factor)
     if state.tp > 1:  # bad plans and head counts raise before anything changes
         _check_heads(resolve_plan(model, tp_plan, strict), ctx)
 
@@ -650,7 +676,17 @@ def parallelize(
         bounds = layer_bounds(num_layers, num_stages, split)
         stages = cut_in_place(model, layout, bounds, mine, hf)
 
-    # ---- tensor and sequence parallelism on what is left ----
+    # ---- experts over the ep group (whole experts), then tensor and sequence parallelism ----
+    ep_ctx = None
+    if ep_plan is not None:
+        from torchpp.expert_parallel import EPContext, apply_ep_plan
+
+        ep_ctx = EPContext(state.ep_group, capacity_factor=capacity_factor)
+        apply_ep_plan(model, ep_plan, ep_ctx)
+    if hf and state.dp * state.cp > 1:
+        from torchpp.expert_parallel import gather_router_logits
+
+        gather_router_logits(model, state.dp_cp_group or state.dp_group)
     if state.tp > 1:
         apply_tp_plan(model, tp_plan, ctx, strict=False, config=_config(model))
         _local_kv_groups(model, ctx)
@@ -664,6 +700,11 @@ def parallelize(
     context = None
     if state.cp > 1:
         from torchpp.context_parallel.hf import ContextParallel, apply_context_parallel
+
+        if getattr(_config(model), "output_router_logits", False):
+            # transformers adds it to each cp rank's loss, which the cp sum would then count c times.
+            raise NotImplementedError(f"torchpp.parallelize: the MoE load-balancing loss (output_router_logits=True) "
+                                      f"is not supported with cp={state.cp}")
 
         context = ContextParallel(state.cp_group, cp_mode, cp_layout)
         apply_context_parallel(model, context, recompute_core=recompute == "selective")
@@ -693,6 +734,8 @@ def parallelize(
     model.grad_scaler = grad_scaler
     if context is not None:
         object.__setattr__(model, "context_parallel", context)
+    if ep_ctx is not None:
+        model.ep_dropped = ep_ctx.dropped
     if not causal_lm:  # not a submodule, even when the loss is an nn.Module
         object.__setattr__(model, "loss_fn", loss_fn)
     if causal_lm and vocab_parallel_logits:

@@ -8,7 +8,9 @@ DualPipe, the twin copy of another rank's stage), which the rank holding the ori
 ZeRO the data-parallel replicas hold identical (already averaged) gradients, so the sum runs
 over the model-parallel group (pp x tp); with ZeRO-1 each DP rank holds a disjoint shard, so
 it runs over the whole world. Context-parallel ranks hold the same (summed) gradients: the
-model-parallel group holds one of them, and ZeRO-1 shards over dp x cp.
+model-parallel group holds one of them, and ZeRO-1 shards over dp x cp. Expert-parallel
+ranks (inside dp x cp) hold different experts: the experts' squares are summed over the ep
+group before the model-parallel sum.
 """
 from __future__ import annotations
 
@@ -37,10 +39,22 @@ def local_squared_norm(grads_and_params: Iterable[Tuple[torch.Tensor, torch.Tens
     return total.to(torch.float64)
 
 
+def expert_summed_squared_norm(grads_and_params, tp_rank: int, ep_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """This rank's share of the sum of squares with the experts' squares summed over ``ep_group``
+    (whose ranks hold different experts), so a sum over the model-parallel group counts each once."""
+    pairs = list(grads_and_params)
+    if ep_group is None or ep_group.size() == 1:
+        return local_squared_norm(pairs, tp_rank)
+    experts = local_squared_norm([(g, p) for g, p in pairs if getattr(p, "expert_parallel", None)], tp_rank)
+    dist.all_reduce(experts, group=ep_group)
+    return local_squared_norm([(g, p) for g, p in pairs if not getattr(p, "expert_parallel", None)], tp_rank) + experts
+
+
 def global_grad_norm(
     grads_and_params: Iterable[Tuple[torch.Tensor, torch.Tensor]],
     tp_rank: int,
     group: Optional[dist.ProcessGroup],
+    ep_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """sqrt(sum of squares) of the gradients over `group`, each element counted once.
 
@@ -48,8 +62,9 @@ def global_grad_norm(
         grads_and_params: (gradient, owning model parameter) pairs held by this rank.
         tp_rank: this rank's TP rank (replicated parameters count on TP rank 0 only).
         group: the group to sum over (model-parallel group, or the world under ZeRO-1).
+        ep_group: the expert-parallel group (without ZeRO), over which expert gradients differ.
     """
-    total = local_squared_norm(grads_and_params, tp_rank)
+    total = expert_summed_squared_norm(grads_and_params, tp_rank, ep_group)
     if group is not None and group.size() > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt()
@@ -96,6 +111,6 @@ def clip_grad_norm_(
 
     state = state or get_parallel_state()
     pairs, group = norm_inputs(parameters, state, zero_optimizer)
-    total = global_grad_norm(pairs, state.tp_rank, group)
+    total = global_grad_norm(pairs, state.tp_rank, group, None if zero_optimizer is not None else state.ep_group)
     clip_grads_([g for g, _ in pairs], total, max_norm)
     return total

@@ -1,4 +1,4 @@
-"""Process groups for dp x pp x cp x tp, built from torchrun's environment.
+"""Process groups for dp x pp x cp x tp (and expert parallelism), built from torchrun's environment.
 
 Ranks are laid out with the first name of `order` varying fastest. Megatron's default,
 "tp-cp-dp-pp", keeps a TP group on consecutive ranks (inside one node, where the bandwidth is),
@@ -6,6 +6,11 @@ context-parallel ranks next (they exchange keys/values every layer), and puts pi
 furthest apart (across nodes). An order without cp (e.g. the older "tp-dp-pp") is accepted
 while cp = 1. The groups come from one `torch.distributed.device_mesh.DeviceMesh` with dims
 ("pp", "dp", "cp", "tp"), so torchpp and DTensor-based code share the same communicators.
+
+Expert parallelism (ep) does not add ranks: as in Megatron, the dp x cp ranks of one (pp, tp)
+coordinate, taken dp-major, fall into groups of ep consecutive ranks that split the experts
+between them (``ep_group``); the ranks holding the same experts (one per ep group, dp*cp/ep of
+them) reduce the experts' gradients (``expert_dp_group``).
 """
 from __future__ import annotations
 
@@ -46,6 +51,12 @@ class ParallelState:
     # parameters' gradients are summed over cp and averaged over dp across it. dp_group if cp = 1.
     dp_cp_group: Optional[dist.ProcessGroup] = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Expert parallelism: ep ranks among the dp x cp ones split the experts (None while ep = 1);
+    # expert_dp_group: the dp*cp/ep ranks holding this rank's experts (dp_cp_group while ep = 1).
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None
+    expert_dp_group: Optional[dist.ProcessGroup] = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -57,7 +68,8 @@ class ParallelState:
 
     def groups(self) -> Dict[str, dist.ProcessGroup]:
         return {"tp": self.tp_group, "pp": self.pp_group, "dp": self.dp_group, "cp": self.cp_group,
-                "dp_cp": self.dp_cp_group, "mp": self.model_parallel_group}
+                "dp_cp": self.dp_cp_group, "mp": self.model_parallel_group, "ep": self.ep_group,
+                "expert_dp": self.expert_dp_group}
 
 
 _STATE: Optional[ParallelState] = None
@@ -105,6 +117,28 @@ def _validate(world: int, tp: int, pp: int, cp: int, dp: Optional[int], num_head
     return dp
 
 
+def _validate_ep(ep: int, dp: int, cp: int) -> None:
+    if ep < 1:
+        raise ValueError(f"torchpp: ep={ep} must be at least 1")
+    if (dp * cp) % ep:
+        raise ValueError(f"torchpp: ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp} (expert-parallel ranks are "
+                         f"data/context-parallel ranks that split the experts between them)")
+
+
+def expert_groups_ranks(grid: torch.Tensor, ep: int) -> List[tuple]:
+    """[(ep ranks, expert-dp ranks)] lists for every (pp, tp) coordinate of the [pp, dp, cp, tp]
+    grid: its dp x cp ranks (dp-major) cut into consecutive groups of ep, and the ranks at the
+    same place in each of those groups."""
+    out = []
+    for p in range(grid.size(0)):
+        for t in range(grid.size(3)):
+            flat = grid[p, :, :, t].flatten().tolist()
+            eps = [flat[i:i + ep] for i in range(0, len(flat), ep)]
+            edps = [flat[i::ep] for i in range(ep)]
+            out.append((eps, edps))
+    return out
+
+
 def _default_device() -> torch.device:
     if torch.accelerator.is_available():
         accelerator = torch.accelerator.current_accelerator()
@@ -125,6 +159,7 @@ def init_parallel(
     timeout: datetime.timedelta = datetime.timedelta(minutes=10),
     num_heads: Optional[int] = None,
     num_layers: Optional[int] = None,
+    ep: int = 1,
 ) -> ParallelState:
     """Initialises torch.distributed (from torchrun's environment, if not yet done) and the
     dp x pp x cp x tp groups.
@@ -140,6 +175,8 @@ def init_parallel(
         timeout: collective timeout, after which a would-be hang raises.
         num_heads: when given, checked to be divisible by tp.
         num_layers: when given, checked to be at least pp.
+        ep: expert-parallel size: ep of the dp x cp ranks split the experts (it must divide
+            dp*cp); see ``torchpp.expert_parallel``.
 
     Returns:
         The ParallelState, also available later from get_parallel_state().
@@ -152,6 +189,7 @@ def init_parallel(
         dist.init_process_group(backend, timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = _validate(world, tp, pp, cp, dp, num_heads, num_layers)
+    _validate_ep(ep, dp, cp)
     grid = mesh_grid(tp, pp, dp, cp, order)
     mesh = DeviceMesh(device.type, grid, mesh_dim_names=MESH_DIMS)
     pp_rank, dp_rank, cp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()
@@ -170,12 +208,24 @@ def init_parallel(
                 group = dist.new_group(sorted(grid[p, :, :, t].flatten().tolist()))
                 if (p, t) == (pp_rank, tp_rank):
                     dp_cp_group = group
+    ep_group, expert_dp_group, ep_rank = None, dp_cp_group, 0
+    if ep > 1:  # every rank creates every group, in the same order
+        for eps, edps in expert_groups_ranks(grid, ep):
+            for ranks in eps:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    ep_group, ep_rank = group, ranks.index(rank)
+            for ranks in edps:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    expert_dp_group = group
     _STATE = ParallelState(
         tp=tp, pp=pp, dp=dp, order=order, mesh=mesh,
         tp_group=mesh.get_group("tp"), pp_group=mesh.get_group("pp"), dp_group=dp_group,
         model_parallel_group=model_parallel_group,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, cp=cp, cp_rank=cp_rank, cp_group=mesh.get_group("cp"),
         dp_cp_group=dp_cp_group, device=device,
+        ep=ep, ep_rank=ep_rank, ep_group=ep_group, expert_dp_group=expert_dp_group,
     )
     return _STATE
 

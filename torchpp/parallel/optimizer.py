@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 
 from torchpp.parallel.clip import (clip_coefficient, clip_grad_norm_, clip_grads_, global_grad_norm,
-                                   local_squared_norm, norm_inputs)
+                                   expert_summed_squared_norm, norm_inputs)
 from torchpp.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.groups import ParallelState, get_parallel_state
@@ -96,13 +97,23 @@ class DistributedOptimizer:
         self.zero = zero
         # Over dp x cp (Megatron's dp-cp group): summed over cp, averaged over dp.
         reduce_group = self.state.dp_cp_group or self.state.dp_group
+        # Expert parameters (expert parallelism) differ over the ep group: their gradients are summed
+        # over the ranks holding the same experts only, and averaged over dp like the others.
+        experts = [p for p in self.params if getattr(p, "expert_parallel", None) is not None]
+        self.expert_reducer = None
+        if experts and not zero:
+            self.expert_reducer = GradReducer(experts, self.state.expert_dp_group, bucket_bytes, accumulations_per_step,
+                                              hold, average_over=self.state.dp)
+        dense = [p for p in self.params if getattr(p, "expert_parallel", None) is None]
         if zero:
             self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, reduce_group,
-                                                     average_over=self.state.dp, **optimizer_kwargs)
+                                                     average_over=self.state.dp,
+                                                     expert_dp_group=self.state.expert_dp_group if experts else None,
+                                                     **optimizer_kwargs)
             self.reducer = None
         else:
             self.optimizer = optimizer_class(self.params, **optimizer_kwargs)
-            self.reducer = GradReducer(self.params, reduce_group, bucket_bytes, accumulations_per_step, hold,
+            self.reducer = GradReducer(dense, reduce_group, bucket_bytes, accumulations_per_step, hold,
                                        average_over=self.state.dp)
         self.param_groups = self.optimizer.param_groups
         self.grad_scaler = grad_scaler
@@ -118,6 +129,12 @@ class DistributedOptimizer:
     def _torch_optimizer(self) -> torch.optim.Optimizer:
         """The torch.optim optimizer whose param_groups hold what is updated (ZeRO: the shards)."""
         return self.optimizer.optimizer if self.zero else self.optimizer
+
+    @property
+    def _expert_norm_group(self) -> Optional[dist.ProcessGroup]:
+        # Without ZeRO the norm sums over pp x tp, so experts' squares are summed over ep first;
+        # ZeRO's sum runs over the world, where each expert shard is held once already.
+        return None if self.zero else self.state.ep_group
 
     def _active_scaler(self) -> Optional[GradScaler]:
         return self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
@@ -139,6 +156,8 @@ class DistributedOptimizer:
 
     def zero_grad(self) -> None:
         (self.optimizer if self.zero else self.reducer).zero_grad()
+        if self.expert_reducer is not None:
+            self.expert_reducer.zero_grad()
 
     def step(self) -> Optional[torch.Tensor]:
         """Reduces gradients over dp, unscales, clips, updates; returns the global gradient norm
@@ -148,6 +167,8 @@ class DistributedOptimizer:
             self.optimizer.reduce_scatter_grads()
         else:
             self.reducer.finish()
+        if self.expert_reducer is not None:
+            self.expert_reducer.finish()
         if self.post_validate:
             return self._speculative_step()
         scaler = self._active_scaler()
@@ -164,7 +185,7 @@ class DistributedOptimizer:
             self.last_grad_norm = norm
             return norm
         pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
-        norm = global_grad_norm(pairs, self.state.tp_rank, group)  # all-reduced: one verdict for all ranks
+        norm = global_grad_norm(pairs, self.state.tp_rank, group, self._expert_norm_group)  # one verdict for all ranks
         self.last_grad_norm = norm
         self.last_step_skipped = not bool(torch.isfinite(norm))
         if self.last_step_skipped:  # nothing updated, nothing gathered (ZeRO): every rank keeps its parameters
@@ -185,8 +206,8 @@ class DistributedOptimizer:
         scaler = self._active_scaler()
         found_inf = scaler.unscale_locally_(self.optimizer) if scaler is not None else None  # agreed in flush()
         pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
-        self._speculative = SpeculativeStep(self._torch_optimizer, local_squared_norm(pairs, self.state.tp_rank), group,
-                                            self._backups, scaler, found_inf)
+        squares = expert_summed_squared_norm(pairs, self.state.tp_rank, self._expert_norm_group)
+        self._speculative = SpeculativeStep(self._torch_optimizer, squares, group, self._backups, scaler, found_inf)
         # Unclipped equals clipped whenever the clip coefficient is 1, which flush() checks.
         self.optimizer.step(**({"grads_reduced": True} if self.zero else {}))
         if scaler is not None:

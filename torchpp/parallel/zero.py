@@ -29,7 +29,8 @@ class _Segment:
 class _FlatGroup:
     """All parameters of one dtype/device, packed into flat parameter and gradient buffers."""
 
-    def __init__(self, params: List[torch.nn.Parameter], dp_size: int, dp_rank: int):
+    def __init__(self, params: List[torch.nn.Parameter], dp_size: int, dp_rank: int, group=None):
+        self.group = group  # the ranks sharing these parameters' optimizer state
         numel = sum(p.numel() for p in params)
         padded = -(-numel // dp_size) * dp_size
         dtype, device = params[0].dtype, params[0].device
@@ -78,6 +79,8 @@ class ZeroRedundancyOptimizer:
             over which Megatron's distributed optimizer shards too).
         average_over: the replicas the summed gradients are divided by (default: the group's
             size; dp over the dp x cp group, whose cp ranks hold parts of one sum).
+        expert_dp_group: with expert parallelism, the ranks holding this rank's experts: expert
+            parameters (``param.expert_parallel``) are sharded and reduced over it instead.
         **defaults: the optimizer's keyword arguments (lr, weight_decay, ...).
 
     Use as an optimizer: loss.backward(); opt.step(); opt.zero_grad(). step() does the
@@ -86,7 +89,7 @@ class ZeroRedundancyOptimizer:
     """
 
     def __init__(self, params: Iterable, optimizer_class: Callable[..., torch.optim.Optimizer], dp_group,
-                 average_over: Optional[int] = None, **defaults):
+                 average_over: Optional[int] = None, expert_dp_group=None, **defaults):
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = dp_group.size(), dist.get_rank(dp_group)
         self.average_over = average_over or self.dp_size
@@ -102,8 +105,13 @@ class ZeroRedundancyOptimizer:
                     options_of[id(param)] = {k: v for k, v in group.items() if k != "params"}
         by_kind: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in all_params:
-            by_kind.setdefault((param.dtype, param.device), []).append(param)
-        self.flat_groups = [_FlatGroup(ps, self.dp_size, self.dp_rank) for ps in by_kind.values()]
+            expert = expert_dp_group is not None and getattr(param, "expert_parallel", None) is not None
+            by_kind.setdefault((param.dtype, param.device, expert), []).append(param)
+        # Expert parameters (expert parallelism) are shared by the expert-data-parallel ranks only.
+        self.flat_groups = [
+            _FlatGroup(ps, expert_dp_group.size(), dist.get_rank(expert_dp_group), expert_dp_group) if expert
+            else _FlatGroup(ps, self.dp_size, self.dp_rank, dp_group)
+            for (_, _, expert), ps in by_kind.items()]
         self.segments: List[_Segment] = [s for g in self.flat_groups for s in g.segments()]
 
         # One optimizer param group per distinct option set, holding this rank's segments.
@@ -126,7 +134,7 @@ class ZeroRedundancyOptimizer:
     def reduce_scatter_grads(self) -> None:
         """Each rank receives the DP-average of its shard of the gradients."""
         for flat in self.flat_groups:
-            dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=self.dp_group)
+            dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=flat.group)
             flat.grad_shard.div_(self.average_over)
 
     def shard_grads(self) -> List[torch.Tensor]:
@@ -146,7 +154,7 @@ class ZeroRedundancyOptimizer:
         """Every rank's parameters from the shards their owners hold."""
         for flat in self.flat_groups:
             shard = flat.flat_param[flat.shard_lo : flat.shard_lo + flat.shard_size].clone()
-            dist.all_gather_single(flat.flat_param, shard, group=self.dp_group)
+            dist.all_gather_single(flat.flat_param, shard, group=flat.group)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         del set_to_none  # gradients are views of flat buffers and must stay allocated
