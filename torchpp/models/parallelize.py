@@ -28,6 +28,7 @@ from torchpp import tensor_parallel as tp
 from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, user_plans
 from torchpp.models.stages import ModelStage, PipelineLayout, cut_in_place, get_submodule
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel, rank_grid
+from torchpp.parallel.zero_params import zero_stage
 from torchpp.recompute import check_recompute_mode
 from torchpp.tensor_parallel.plan import apply_sequence_parallel, apply_tp_plan, resolve_plan
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
@@ -505,6 +506,7 @@ def parallelize(
     vocab_parallel_logits: bool = False,
     loss_fn=None,
     split_bw: Optional[bool] = None,
+    zero: Union[bool, int] = 0,
 ) -> nn.Module:
     """Shards ``model`` in place over tensor- and pipeline-parallel ranks, by plan.
 
@@ -548,11 +550,15 @@ def parallelize(
             ``nn.MultiheadAttention``) run their backward split into I and W
             (``PipelineStage(split_bw=)``): None (default) on under schedules with W passes,
             so those passes carry their weight gradients; False keeps their backward in I.
+        zero: the ZeRO stage (0..3; True is 1) that ``DistributedOptimizer(model, ...)`` then
+            applies over dp (``model.zero_stage``); at 3 that optimizer shards the parameters
+            and gathers each bucket before its first forward in a step.
 
     Returns:
         ``model`` itself, parallelized.
     """
     check_recompute_mode(recompute)
+    zero = zero_stage(zero)
     state = _resolve_state(state, tp, pp)
     _ensure_tp_rng(state)
     hf = is_transformers_model(model)
@@ -626,6 +632,7 @@ def parallelize(
     model.tied_names = tied_names
     model._num_model_stages = num_stages
     model.grad_scaler = grad_scaler
+    model.zero_stage = zero
     if not causal_lm:  # not a submodule, even when the loss is an nn.Module
         object.__setattr__(model, "loss_fn", loss_fn)
     if causal_lm and vocab_parallel_logits:

@@ -3,13 +3,15 @@
 step() finishes the data-parallel gradient reduction (bucketed all-reduce that started during
 backward, or ZeRO-1's reduce-scatter), unscales fp16 loss-scaled gradients, clips by the global
 norm over dp x pp x tp, runs the wrapped torch.optim optimizer (or, with an inf or NaN on any
-rank, skips it on every rank), and (ZeRO-1) all-gathers the updated parameters. Without a loss
+rank, skips it on every rank), and (ZeRO-1/2) all-gathers the updated parameters. ZeRO-2 and
+ZeRO-3 reduce-scatter each gradient bucket during backward, as soon as it is final; ZeRO-3
+gathers each bucket's parameters before the first forward that uses it. Without a loss
 scaler the global norm is the inf/NaN check (torchpp/parallel/nonfinite.py): consecutive skips
 end in NonFiniteGradientError naming the parameter and rank where the bad value appeared.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -20,7 +22,10 @@ from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.groups import ParallelState, get_parallel_state
 from torchpp.parallel.nonfinite import DEFAULT_SKIP_LIMIT, SkipCounter, locate_nonfinite, parameter_names
 from torchpp.parallel.post_validation import BackupBuffers, SpeculativeStep
+from torchpp.parallel.rank_memory import rank_memory_bytes
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
+from torchpp.parallel.zero_grads import ShardedGradReducer
+from torchpp.parallel.zero_params import gather_before_forward, zero_stage
 
 
 class DistributedOptimizer:
@@ -29,10 +34,20 @@ class DistributedOptimizer:
 
     Args:
         params: this rank's parameters (all its pipeline stages), or (name, parameter) pairs
-            such as ``model.named_parameters()``: the non-finite guard's error names them.
+            such as ``model.named_parameters()``: the non-finite guard's error names them; or
+            the model itself (needed by zero=3, which hooks its modules' forwards).
         optimizer_class: e.g. torch.optim.AdamW.
         state: the ParallelState (default: get_parallel_state()).
-        zero: shard the optimizer state over dp (ZeRO-1) instead of all-reducing gradients.
+        zero: the ZeRO stage over dp: 0 (or False) all-reduces gradients; 1 (or True) shards
+            the optimizer state; 2 shards the gradients too (each bucket reduce-scattered as soon
+            as backward finished it, its full gradient freed); 3 shards the parameters too
+            (each bucket gathered before the first forward that uses it in a step, kept for
+            the step's microbatches, released when its gradient is reduce-scattered).
+            With 2 and 3, ``param.grad`` is None after backward: the shards are in the
+            optimizer's param_groups; with 3, the model's parameters have no storage between
+            steps (``gather_params()`` gathers them all, e.g. to evaluate or save).
+            None: the stage given to ``parallelize(model, zero=...)`` when params is that
+            model, else 0.
         max_norm: clip gradients to this global norm (None: no clipping).
         accumulations_per_step: gradient accumulations per parameter per step (the number of
             microbatches), so buckets launch while backward runs.
@@ -69,7 +84,7 @@ class DistributedOptimizer:
         optimizer_class: Callable[..., torch.optim.Optimizer],
         state: Optional[ParallelState] = None,
         *,
-        zero: bool = False,
+        zero: Optional[Union[bool, int]] = None,
         max_norm: Optional[float] = None,
         accumulations_per_step: int = 1,
         hold: Iterable[torch.nn.Parameter] = (),
@@ -87,6 +102,13 @@ class DistributedOptimizer:
         if post_validate and max_norm is None:
             raise ValueError("DistributedOptimizer: post_validate=True validates clipping and needs max_norm")
         self.state = state or get_parallel_state()
+        model = params if isinstance(params, torch.nn.Module) else None
+        zero = zero_stage(getattr(model, "zero_stage", 0) if zero is None else zero)
+        if model is not None:
+            params = model.named_parameters()
+        if zero == 3 and model is None:
+            raise ValueError("DistributedOptimizer: zero=3 gathers parameters before each module's forward and needs "
+                             "the model: pass it as params (DistributedOptimizer(model, ...)), not its parameters")
         named = [item if isinstance(item, tuple) else (None, item) for item in params]
         named = [(name, p) for name, p in named if p.requires_grad]
         self.params = [p for _, p in named]
@@ -96,10 +118,17 @@ class DistributedOptimizer:
         self.zero = zero
         # Over dp x cp (Megatron's dp-cp group): summed over cp, averaged over dp.
         reduce_group = self.state.dp_cp_group or self.state.dp_group
-        if zero:
+        if zero == 1:
             self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, reduce_group,
                                                      average_over=self.state.dp, **optimizer_kwargs)
             self.reducer = None
+        elif zero >= 2:
+            self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, reduce_group,
+                                                     average_over=self.state.dp, bucket_bytes=bucket_bytes,
+                                                     shard_params=zero == 3, **optimizer_kwargs)
+            self.reducer = ShardedGradReducer(self.optimizer, accumulations_per_step, hold)
+            if zero == 3:
+                self._gather_hooks = gather_before_forward(model, self.optimizer)
         else:
             self.optimizer = optimizer_class(self.params, **optimizer_kwargs)
             self.reducer = GradReducer(self.params, reduce_group, bucket_bytes, accumulations_per_step, hold,
@@ -138,13 +167,24 @@ class DistributedOptimizer:
         return locate_nonfinite(pairs, self._names, [group, dp_group], norm)
 
     def zero_grad(self) -> None:
-        (self.optimizer if self.zero else self.reducer).zero_grad()
+        (self.reducer if self.reducer is not None else self.optimizer).zero_grad()
+
+    def gather_params(self) -> None:
+        """ZeRO-3: gathers all of this rank's parameters (collective over dp); the next step
+        releases them again. No-op for the other stages."""
+        if self.zero == 3:
+            self.optimizer.gather_all_params()
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds now for parameters, gradients (full and sharded) and optimizer
+        state, each storage counted once."""
+        return rank_memory_bytes(self.params, self.optimizer if self.zero else None, self._torch_optimizer)
 
     def step(self) -> Optional[torch.Tensor]:
         """Reduces gradients over dp, unscales, clips, updates; returns the global gradient norm
         (with a grad scaler, only when clipping). A norm that is not finite means the update was
         skipped on every rank (see last_step_skipped and skip_limit)."""
-        if self.zero:
+        if self.reducer is None:
             self.optimizer.reduce_scatter_grads()
         else:
             self.reducer.finish()

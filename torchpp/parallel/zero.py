@@ -1,4 +1,5 @@
-"""ZeRO stage 1: optimizer state sharded over the data-parallel group.
+"""ZeRO stages 1 to 3: optimizer state (1), gradients (2) and parameters (3) sharded over the
+data-parallel group.
 
 Parameters (per dtype) are packed into one flat buffer padded to a multiple of the DP size;
 each model parameter and its .grad become views of flat buffers. A step reduce-scatters the
@@ -7,6 +8,13 @@ the shard only, and all-gathers the updated parameters. The optimizer sees, for 
 parameter that overlaps this rank's shard, one leaf tensor viewing that overlap, so any
 per-parameter torch.optim optimizer works, param groups (e.g. no weight decay for norms)
 included, and its state is 1/dp of the unsharded state.
+
+Stages 2 and 3 pack parameters into buckets (one flat buffer each) instead of one buffer per
+dtype, so each bucket's gradient is reduce-scattered as soon as backward has finished it
+(torchpp/parallel/zero_grads.py) and its full gradient is freed. Stage 3 keeps each rank's
+parameter shard in a tensor of its own (what the optimizer updates) and the full bucket only
+while it is in use: gathered before the first forward that needs it, released once its
+gradient is final (so under a pipeline it stays gathered across the step's microbatches).
 """
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from torchpp.parallel.data_parallel import bucket_members
 
 
 @dataclass
@@ -27,9 +37,11 @@ class _Segment:
 
 
 class _FlatGroup:
-    """All parameters of one dtype/device, packed into flat parameter and gradient buffers."""
+    """Parameters of one dtype/device (all of them, or one bucket), packed into flat parameter
+    and gradient buffers. ``shard_params`` (ZeRO-3): this rank's part of the parameters lives in
+    ``param_shard``, and the full ``flat_param`` is allocated only while gathered."""
 
-    def __init__(self, params: List[torch.nn.Parameter], dp_size: int, dp_rank: int):
+    def __init__(self, params: List[torch.nn.Parameter], dp_size: int, dp_rank: int, shard_params: bool = False):
         numel = sum(p.numel() for p in params)
         padded = -(-numel // dp_size) * dp_size
         dtype, device = params[0].dtype, params[0].device
@@ -48,6 +60,28 @@ class _FlatGroup:
             param.grad = self.flat_grad[offset : offset + n].view_as(param)
             self.offsets[id(param)] = (offset, offset + n)
             offset += n
+        self.param_shard: Optional[torch.Tensor] = None
+        self.gathered = True
+        self.gathers = 0
+        if shard_params:
+            self.param_shard = self.flat_param[self.shard_lo : self.shard_lo + self.shard_size].clone()
+            self.release()
+
+    @torch.no_grad()
+    def gather(self, group) -> None:
+        """ZeRO-3: allocates the full parameters again and all-gathers them from the shards."""
+        if self.gathered:
+            return
+        self.flat_param.untyped_storage().resize_(self.flat_param.numel() * self.flat_param.element_size())
+        dist.all_gather_single(self.flat_param, self.param_shard, group=group)
+        self.gathered = True
+        self.gathers += 1
+
+    def release(self) -> None:
+        """ZeRO-3: frees the full parameters (the model's parameters keep their shapes, with no storage)."""
+        if self.param_shard is not None and self.gathered:
+            self.flat_param.untyped_storage().resize_(0)
+            self.gathered = False
 
     def segments(self) -> List[_Segment]:
         lo, hi = self.shard_lo, self.shard_lo + self.shard_size
@@ -57,7 +91,8 @@ class _FlatGroup:
             a, b = max(start, lo), min(end, hi)
             if a >= b:
                 continue
-            view = torch.nn.Parameter(self.flat_param[a:b], requires_grad=True)  # shares storage
+            source = self.flat_param[a:b] if self.param_shard is None else self.param_shard[a - lo : b - lo]
+            view = torch.nn.Parameter(source, requires_grad=True)  # shares storage
             view.grad = self.grad_shard[a - lo : b - lo]
             segments.append(_Segment(param, view, a, b, param_lo=a - start))
         return segments
@@ -69,7 +104,8 @@ class _FlatGroup:
 
 
 class ZeroRedundancyOptimizer:
-    """Wraps a torch.optim optimizer class so its state is sharded over `dp_group` (ZeRO-1).
+    """Wraps a torch.optim optimizer class so its state is sharded over `dp_group` (ZeRO-1;
+    with ``bucket_bytes``, the layout of ZeRO-2 and, with ``shard_params``, ZeRO-3).
 
     Args:
         params: model parameters, or param-group dicts as for any torch.optim optimizer.
@@ -78,6 +114,9 @@ class ZeroRedundancyOptimizer:
             over which Megatron's distributed optimizer shards too).
         average_over: the replicas the summed gradients are divided by (default: the group's
             size; dp over the dp x cp group, whose cp ranks hold parts of one sum).
+        bucket_bytes: pack parameters (in reverse order, as backward finishes them) into buckets of
+            about this size, each padded to a multiple of dp (ZeRO-2/3); None: one buffer per dtype.
+        shard_params: ZeRO-3: keep only this rank's parameter shard between uses (see gather()).
         **defaults: the optimizer's keyword arguments (lr, weight_decay, ...).
 
     Use as an optimizer: loss.backward(); opt.step(); opt.zero_grad(). step() does the
@@ -86,7 +125,8 @@ class ZeroRedundancyOptimizer:
     """
 
     def __init__(self, params: Iterable, optimizer_class: Callable[..., torch.optim.Optimizer], dp_group,
-                 average_over: Optional[int] = None, **defaults):
+                 average_over: Optional[int] = None, *, bucket_bytes: Optional[int] = None,
+                 shard_params: bool = False, **defaults):
         self.dp_group = dp_group
         self.dp_size, self.dp_rank = dp_group.size(), dist.get_rank(dp_group)
         self.average_over = average_over or self.dp_size
@@ -103,7 +143,13 @@ class ZeroRedundancyOptimizer:
         by_kind: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in all_params:
             by_kind.setdefault((param.dtype, param.device), []).append(param)
-        self.flat_groups = [_FlatGroup(ps, self.dp_size, self.dp_rank) for ps in by_kind.values()]
+        if bucket_bytes is not None:
+            packs = bucket_members(list(reversed(all_params)), bucket_bytes)
+        else:
+            packs = list(by_kind.values())
+        self.shard_params = shard_params
+        self.flat_groups = [_FlatGroup(ps, self.dp_size, self.dp_rank, shard_params) for ps in packs]
+        self._group_of = {id(p): flat for flat in self.flat_groups for p in flat.params}
         self.segments: List[_Segment] = [s for g in self.flat_groups for s in g.segments()]
 
         # One optimizer param group per distinct option set, holding this rank's segments.
@@ -143,10 +189,36 @@ class ZeroRedundancyOptimizer:
 
     @torch.no_grad()
     def all_gather_params(self) -> None:
-        """Every rank's parameters from the shards their owners hold."""
+        """Every rank's parameters from the shards their owners hold (ZeRO-3: released instead,
+        to be gathered by the next use)."""
         for flat in self.flat_groups:
+            if flat.param_shard is not None:
+                flat.release()
+                continue
             shard = flat.flat_param[flat.shard_lo : flat.shard_lo + flat.shard_size].clone()
             dist.all_gather_single(flat.flat_param, shard, group=self.dp_group)
+
+    def gather_params_of(self, params: Iterable[torch.Tensor]) -> None:
+        """ZeRO-3: gathers every bucket holding one of `params` (collective over dp: every rank
+        must ask for the same buckets in the same order, as identical forwards do)."""
+        for param in params:
+            flat = self._group_of.get(id(param))
+            if flat is not None:
+                flat.gather(self.dp_group)
+
+    @property
+    def gathers(self) -> int:
+        """ZeRO-3: all-gathers of parameter buckets so far."""
+        return sum(flat.gathers for flat in self.flat_groups)
+
+    def gather_all_params(self) -> None:
+        """ZeRO-3: gathers every bucket (e.g. before saving or evaluating the whole model)."""
+        for flat in self.flat_groups:
+            flat.gather(self.dp_group)
+
+    def release_all_params(self) -> None:
+        for flat in self.flat_groups:
+            flat.release()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         del set_to_none  # gradients are views of flat buffers and must stay allocated

@@ -1,0 +1,115 @@
+"""ZeRO-2 and ZeRO-3 (DistributedOptimizer(zero=2|3)) on wrapped transformers models, fp64: dp=2
+at pp=1, at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
+deliver the weight gradients that the reduce-scatter waits for), and dp=2 x tp=2. Three AdamW
+steps with global-norm clipping give the losses and norms of the unwrapped model trained in
+one process on the full batch (rtol 1e-9), and each rank holds 1/dp of the sharded state:
+measured from the storages allocated after each step."""
+import copy
+
+import torch
+import torch.distributed as dist
+
+import torchpp
+from torchpp.models import parallelize
+from torchpp.models.parallelize import causal_lm_loss
+from torchpp.parallel import DistributedOptimizer
+from hf_reference import tiny_model
+
+STEPS, LR, MAX_NORM, ROWS, SEQ = 3, 1e-2, 0.5, 8, 8
+BUCKET_BYTES = 8192
+
+
+def _ids(vocab):
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, vocab, (ROWS, SEQ), generator=g)
+
+
+def _reference(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ids = _ids(model.config.vocab_size)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        # torchpp's loss stays in fp64 (transformers' own casts the logits to float32)
+        loss = causal_lm_loss(model(input_ids=ids).logits, ids, None, model.config.vocab_size)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), torch.stack(norms)
+
+
+def _check_bytes(what, memory, local_numel, buckets, dp, zero):
+    """Sharded parts hold local_numel / dp elements, plus under one element of padding per
+    bucket; the full parameters (zero=2) local_numel plus under dp elements per bucket."""
+    full, shard = local_numel * 8, local_numel * 8 / dp
+    want = {"param": (shard, buckets * 8) if zero == 3 else (full, buckets * dp * 8),
+            "grad": (shard, buckets * 8), "optimizer": (2 * shard, 2 * buckets * 8)}  # AdamW: two moments
+    for kind, (low, slack) in want.items():
+        assert low <= memory[kind] < low + slack, (
+            f"{what}: {kind} bytes {memory[kind]}, want {low} (+ padding < {slack}); the model's local parameters "
+            f"are {full} bytes, dp={dp}")
+
+
+def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2):
+    state = torchpp.init_parallel(tp=tp, pp=pp, dp=2)
+    model = tiny_model(kind, kv_heads=kv_heads).double()
+    what = f"{kind} dp=2 tp={tp} pp={pp} {schedule} zero={zero}"
+    reference, reference_norms = _reference(copy.deepcopy(model))
+    wrapped = parallelize(model, schedule=schedule, n_microbatches=microbatches, state=state,
+                          vocab_parallel_logits=pp == 1)  # at pp=1 so that the loss is torchpp's (fp64) too
+    hold = [wrapped.tied_weight] if wrapped.tied_weight is not None else []
+    optimizer = DistributedOptimizer(wrapped, torch.optim.AdamW, state, zero=zero, max_norm=MAX_NORM,
+                                     accumulations_per_step=microbatches, hold=hold, bucket_bytes=BUCKET_BYTES, lr=LR)
+    local_numel = sum(p.numel() for p in optimizer.params)
+    buckets = len(optimizer.optimizer.flat_groups)
+    ids = _ids(model.config.vocab_size)
+    rows = ids.chunk(state.dp)[state.dp_rank]
+    losses, norms = [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        gathers = optimizer.optimizer.gathers
+        loss = wrapped.step(rows if wrapped.has_first_stage else None, labels=rows if wrapped.has_last_stage else None)
+        norms.append(optimizer.step())
+        assert all(p.grad is None for p in optimizer.params), f"{what}: a full gradient outlived its reduce-scatter"
+        if zero == 3:  # one gather per bucket per step, however many microbatches used it
+            assert optimizer.optimizer.gathers - gathers == buckets, (
+                f"{what}: {optimizer.optimizer.gathers - gathers} gathers in a step of {microbatches} microbatches "
+                f"over {buckets} buckets")
+        _check_bytes(what, optimizer.memory_bytes(), local_numel, buckets, state.dp, zero)
+        if wrapped.has_last_stage:
+            dist.all_reduce(loss, group=state.dp_group)
+            losses.append(loss / state.dp)
+    if wrapped.has_last_stage:
+        torch.testing.assert_close(torch.stack(losses), reference.double(), rtol=1e-9, atol=0,
+                                   msg=lambda m: f"{what}: {m}")
+    # The global norm sums squares in float32 (torchpp/parallel/clip.py), whatever the dtype.
+    torch.testing.assert_close(torch.stack(norms), reference_norms, rtol=1e-6, atol=0, check_dtype=False,
+                               msg=lambda m: f"{what} norms: {m}")
+    assert reference_norms.max() > MAX_NORM, reference_norms  # clipping is in force
+    return True
+
+
+def check_pp1():
+    return all(check_zero("llama", "1f1b", zero) for zero in (2, 3))
+
+
+def check_pp2():
+    return all(check_zero("gpt2", schedule, zero, pp=2, microbatches=4)
+               for schedule in ("1f1b", "zb-h1") for zero in (2, 3))
+
+
+def check_tp2():
+    return all(check_zero("llama", "1f1b", zero, tp=2, kv_heads=1) for zero in (2, 3))
+
+
+def test_zero_2_and_3_data_parallel(ranks):
+    assert ranks(2).run(check_pp1, timeout=300) == [True] * 2
+
+
+def test_zero_2_and_3_with_pipeline(ranks):
+    assert ranks(4).run(check_pp2, timeout=400) == [True] * 4
+
+
+def test_zero_2_and_3_with_tensor_parallel(ranks):
+    assert ranks(4).run(check_tp2, timeout=300) == [True] * 4

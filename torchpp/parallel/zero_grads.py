@@ -1,0 +1,98 @@
+"""ZeRO-2/3 gradient reduction: each bucket is reduce-scattered over dp as soon as its gradient
+is final, and its full gradient is freed, so between that moment and the next step's backward
+a rank holds only its 1/dp shard of the gradients.
+
+"Final" is counted as GradReducer counts it (torchpp/parallel/data_parallel.py): after the
+last of ``accumulations_per_step`` accumulations, which under zero-bubble schedules is the W
+pass that delivers a deferred weight gradient. Under ZeRO-3 the bucket's full parameters are
+released at the same moment: nothing in the rest of the step's backward reads them.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List
+
+import torch
+import torch.distributed as dist
+
+from torchpp.parallel.data_parallel import GradReducer, _Bucket
+from torchpp.parallel.zero import ZeroRedundancyOptimizer
+
+
+class ShardedGradReducer(GradReducer):
+    """Reduce-scatters the buckets of a bucketed ZeroRedundancyOptimizer (ZeRO-2/3).
+
+    Args:
+        optimizer: a ZeroRedundancyOptimizer built with ``bucket_bytes`` (its flat groups are
+            the buckets; each parameter's .grad is a view of its bucket's full gradient until
+            the bucket is reduce-scattered, then None until zero_grad()).
+        accumulations_per_step: gradient accumulations per parameter per step (microbatches).
+        hold: parameters whose gradients change after backward (tied embeddings); their
+            buckets wait for finish().
+    """
+
+    def __init__(self, optimizer: ZeroRedundancyOptimizer, accumulations_per_step: int = 1,
+                 hold: Iterable[torch.nn.Parameter] = ()):
+        self.zero_optimizer = optimizer
+        params = [p for flat in reversed(optimizer.flat_groups) for p in reversed(flat.params)]
+        super().__init__(params, optimizer.dp_group, 0, accumulations_per_step, hold,
+                         average_over=optimizer.average_over)
+
+    def _make_buckets(self, params, bucket_bytes) -> List[_Bucket]:
+        del params, bucket_bytes  # the optimizer's flat groups are the buckets
+        buckets = []
+        for flat in self.zero_optimizer.flat_groups:
+            bucket = _Bucket(flat.params, flat.flat_grad)
+            bucket.flat = flat
+            buckets.append(bucket)
+        return buckets
+
+    def _launch(self, bucket: _Bucket) -> None:
+        flat = bucket.flat
+        bucket.work = dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=self.group, async_op=True)
+
+    def wait_bucket(self, bucket: _Bucket) -> None:
+        if bucket.work is None:
+            return
+        bucket.work.wait()
+        bucket.work = None
+        flat = bucket.flat
+        flat.grad_shard.div_(self.average_over)
+        flat.flat_grad.untyped_storage().resize_(0)  # only the shard is kept
+        for param in flat.params:
+            param.grad = None
+        flat.release()  # ZeRO-3: the step's backward is done with these parameters
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        # One bucket in flight: launching the next one first waits for (and frees) the earlier
+        # ones, so the full gradients of finished buckets do not pile up during backward.
+        earlier = [b for b in self.buckets if b.work is not None]
+        super().grad_ready(param)
+        if len(earlier) < sum(b.work is not None for b in self.buckets):
+            for bucket in earlier:
+                self.wait_bucket(bucket)
+
+    def finish(self):
+        stats = super().finish()
+        late = [p for b in self.buckets for p in b.params if p.grad is not None]
+        if late:
+            raise RuntimeError(
+                f"torchpp ZeRO-2/3: {len(late)} parameter(s) (first of shape {list(late[0].shape)}) received a gradient "
+                f"after their bucket was reduce-scattered: they are accumulated more often than "
+                f"accumulations_per_step={self.accumulations_per_step} (give the number of microbatches)")
+        return stats
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Allocates and zeroes the full gradient buckets and the shards for the next step."""
+        for bucket in self.buckets:
+            self.wait_bucket(bucket)
+            flat = bucket.flat
+            grad = flat.flat_grad
+            if grad.untyped_storage().nbytes() == 0:
+                grad.untyped_storage().resize_(grad.numel() * grad.element_size())
+            grad.zero_()
+            flat.grad_shard.zero_()
+            flat.restore_grad_views()
+            bucket.pending = len(bucket.params)
+            bucket.launched_early = False
+        self._counts = {id(p): 0 for b in self.buckets for p in b.params}
