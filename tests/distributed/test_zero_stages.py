@@ -1,10 +1,13 @@
 """ZeRO-2 and ZeRO-3 (DistributedOptimizer(zero=2|3)) on wrapped transformers models, fp64: dp=2
-at pp=1, at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
+at pp=1 (and the non-finite guard), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
 deliver the weight gradients that the reduce-scatter waits for), and dp=2 x tp=2. Three AdamW
 steps with global-norm clipping give the losses and norms of the unwrapped model trained in
 one process on the full batch (rtol 1e-9), and each rank holds 1/dp of the sharded state:
 measured from the storages allocated after each step."""
+import contextlib
 import copy
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -90,8 +93,35 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2):
     return True
 
 
+def check_nonfinite(zero):
+    """A NaN in one rank's gradient (of one bucket's parameter) makes the global norm over the
+    shards NaN: the step is skipped on every rank, parameters unchanged; the next step updates."""
+    state = torchpp.init_parallel(tp=1, pp=1, dp=2)
+    wrapped = parallelize(tiny_model("llama").double(), state=state, vocab_parallel_logits=True, zero=zero)
+    optimizer = DistributedOptimizer(wrapped, torch.optim.AdamW, state, max_norm=MAX_NORM, bucket_bytes=BUCKET_BYTES,
+                                     lr=LR)
+    assert optimizer.zero == zero  # taken from parallelize(zero=)
+    rows = _ids(wrapped.config.vocab_size).chunk(2)[state.dp_rank]
+    poisoned = wrapped.model.layers[1].mlp.up_proj.weight
+    handle = poisoned.register_hook(lambda g: g * float("nan")) if state.dp_rank == 1 else None
+    optimizer.zero_grad()
+    wrapped.step(rows, labels=rows)
+    before = [s.clone() for s in optimizer.optimizer.optimizer.param_groups[0]["params"]]
+    with pytest.warns(RuntimeWarning) if state.dp_rank == 0 else contextlib.nullcontext():
+        norm = optimizer.step()
+    assert optimizer.last_step_skipped and not torch.isfinite(norm), (zero, norm)
+    after = optimizer.optimizer.optimizer.param_groups[0]["params"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), f"zero={zero}: a skipped step changed a shard"
+    if handle is not None:
+        handle.remove()
+    optimizer.zero_grad()
+    wrapped.step(rows, labels=rows)
+    assert torch.isfinite(optimizer.step()) and not optimizer.last_step_skipped
+    return True
+
+
 def check_pp1():
-    return all(check_zero("llama", "1f1b", zero) for zero in (2, 3))
+    return all(check_zero("llama", "1f1b", zero) and check_nonfinite(zero) for zero in (2, 3))
 
 
 def check_pp2():
