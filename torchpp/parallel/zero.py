@@ -216,6 +216,15 @@ class ZeroRedundancyOptimizer:
         for flat in self.flat_groups:
             flat.gather(self.dp_group)
 
+    @torch.no_grad()
+    def keep_loaded_params(self) -> None:
+        """ZeRO-3: takes this rank's shards from the gathered parameters (after values were
+        written into them, e.g. by a checkpoint load) and releases the full ones."""
+        for flat in self.flat_groups:
+            if flat.param_shard is not None and flat.gathered:
+                flat.param_shard.copy_(flat.flat_param[flat.shard_lo : flat.shard_lo + flat.shard_size])
+                flat.release()
+
     def release_all_params(self) -> None:
         for flat in self.flat_groups:
             flat.release()
