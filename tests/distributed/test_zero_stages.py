@@ -54,16 +54,17 @@ def _check_bytes(what, memory, local_numel, buckets, dp, zero):
             f"are {full} bytes, dp={dp}")
 
 
-def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2):
+def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, reshard_after_forward=False):
     state = torchpp.init_parallel(tp=tp, pp=pp, dp=2)
     model = tiny_model(kind, kv_heads=kv_heads).double()
-    what = f"{kind} dp=2 tp={tp} pp={pp} {schedule} zero={zero}"
+    what = f"{kind} dp=2 tp={tp} pp={pp} {schedule} zero={zero} reshard_after_forward={reshard_after_forward}"
     reference, reference_norms = _reference(copy.deepcopy(model))
     wrapped = parallelize(model, schedule=schedule, n_microbatches=microbatches, state=state,
                           vocab_parallel_logits=pp == 1)  # at pp=1 so that the loss is torchpp's (fp64) too
     hold = [wrapped.tied_weight] if wrapped.tied_weight is not None else []
     optimizer = DistributedOptimizer(wrapped, torch.optim.AdamW, state, zero=zero, max_norm=MAX_NORM,
-                                     accumulations_per_step=microbatches, hold=hold, bucket_bytes=BUCKET_BYTES, lr=LR)
+                                     accumulations_per_step=microbatches, hold=hold, bucket_bytes=BUCKET_BYTES, lr=LR,
+                                     reshard_after_forward=reshard_after_forward)
     local_numel = sum(p.numel() for p in optimizer.params)
     buckets = len(optimizer.optimizer.flat_groups)
     ids = _ids(model.config.vocab_size)
@@ -75,7 +76,9 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2):
         loss = wrapped.step(rows if wrapped.has_first_stage else None, labels=rows if wrapped.has_last_stage else None)
         norms.append(optimizer.step())
         assert all(p.grad is None for p in optimizer.params), f"{what}: a full gradient outlived its reduce-scatter"
-        if zero == 3:  # one gather per bucket per step, however many microbatches used it
+        if zero == 3 and reshard_after_forward:  # gathered again for later microbatches and for backward
+            assert optimizer.optimizer.gathers - gathers > buckets * microbatches, (what, optimizer.optimizer.gathers)
+        elif zero == 3:  # one gather per bucket per step, however many microbatches used it
             assert optimizer.optimizer.gathers - gathers == buckets, (
                 f"{what}: {optimizer.optimizer.gathers - gathers} gathers in a step of {microbatches} microbatches "
                 f"over {buckets} buckets")
@@ -125,8 +128,9 @@ def check_pp1():
 
 
 def check_pp2():
-    return all(check_zero("gpt2", schedule, zero, pp=2, microbatches=4)
-               for schedule in ("1f1b", "zb-h1") for zero in (2, 3))
+    return (all(check_zero("gpt2", schedule, zero, pp=2, microbatches=4) for schedule in ("1f1b", "zb-h1")
+                for zero in (2, 3))
+            and check_zero("gpt2", "zb-h1", 3, pp=2, microbatches=4, reshard_after_forward=True))
 
 
 def check_tp2():

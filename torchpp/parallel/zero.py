@@ -206,6 +206,13 @@ class ZeroRedundancyOptimizer:
             if flat is not None:
                 flat.gather(self.dp_group)
 
+    def release_params_of(self, params: Iterable[torch.Tensor]) -> None:
+        """ZeRO-3: releases every bucket holding one of `params` (local: no collective)."""
+        for param in params:
+            flat = self._group_of.get(id(param))
+            if flat is not None:
+                flat.release()
+
     @property
     def gathers(self) -> int:
         """ZeRO-3: all-gathers of parameter buckets so far."""
