@@ -1,6 +1,8 @@
 """ZeRO-2/3 gradient reduction: each bucket is reduce-scattered over dp as soon as its gradient
 is final, and its full gradient is freed, so between that moment and the next step's backward
-a rank holds only its 1/dp shard of the gradients.
+a rank holds only its 1/dp shard of the gradients. A bucket's full gradient is allocated at its
+first accumulation of the step (not by zero_grad), so without gradient accumulation only the
+buckets that backward is filling exist in full.
 
 "Final" is counted as GradReducer counts it (torchpp/parallel/data_parallel.py): after the
 last of ``accumulations_per_step`` accumulations, which under zero-bubble schedules is the W
@@ -46,8 +48,28 @@ class ShardedGradReducer(GradReducer):
             buckets.append(bucket)
         return buckets
 
+    def _on_accumulated(self, param: torch.Tensor) -> None:
+        # Runs after AccumulateGrad (and at the I pass of a split-B/W weight, before its W pass
+        # writes into .grad): the bucket's full gradient exists from here on.
+        self._allocate(self._bucket_of[id(param)].flat)
+        super()._on_accumulated(param)
+
+    @staticmethod
+    @torch.no_grad()
+    def _allocate(flat) -> None:
+        grad = flat.flat_grad
+        if grad.untyped_storage().nbytes() > 0:
+            return
+        fresh = [(p, p.grad) for p in flat.params if p.grad is not None]  # AccumulateGrad's first gradient
+        grad.untyped_storage().resize_(grad.numel() * grad.element_size())
+        grad.zero_()
+        flat.restore_grad_views()
+        for param, value in fresh:
+            param.grad.copy_(value)
+
     def _launch(self, bucket: _Bucket) -> None:
         flat = bucket.flat
+        self._allocate(flat)  # a bucket no gradient reached reduces zeros
         bucket.work = dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=self.group, async_op=True)
 
     def wait_bucket(self, bucket: _Bucket) -> None:
@@ -83,16 +105,15 @@ class ShardedGradReducer(GradReducer):
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        """Allocates and zeroes the full gradient buckets and the shards for the next step."""
+        """Frees the full gradient buckets (allocated again by their first accumulation) and
+        zeroes the shards for the next step."""
         for bucket in self.buckets:
             self.wait_bucket(bucket)
             flat = bucket.flat
-            grad = flat.flat_grad
-            if grad.untyped_storage().nbytes() == 0:
-                grad.untyped_storage().resize_(grad.numel() * grad.element_size())
-            grad.zero_()
+            flat.flat_grad.untyped_storage().resize_(0)
+            for param in flat.params:
+                param.grad = None
             flat.grad_shard.zero_()
-            flat.restore_grad_views()
             bucket.pending = len(bucket.params)
             bucket.launched_early = False
         self._counts = {id(p): 0 for b in self.buckets for p in b.params}
