@@ -1,6 +1,7 @@
 """ZeRO-2 and ZeRO-3 (DistributedOptimizer(zero=2|3)) on wrapped transformers models, fp64: dp=2
 at pp=1 (and the non-finite guard), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
-deliver the weight gradients that the reduce-scatter waits for), and dp=2 x tp=2. Three AdamW
+deliver the weight gradients that the reduce-scatter waits for), and dp=2 x tp=2 (also with
+sequence parallelism and full recompute). Three AdamW
 steps with global-norm clipping give the losses and norms of the unwrapped model trained in
 one process on the full batch (rtol 1e-9), and each rank holds 1/dp of the sharded state:
 measured from the storages allocated after each step."""
@@ -54,13 +55,13 @@ def _check_bytes(what, memory, local_numel, buckets, dp, zero):
             f"are {full} bytes, dp={dp}")
 
 
-def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, reshard_after_forward=False):
+def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, reshard_after_forward=False, **wrap):
     state = torchpp.init_parallel(tp=tp, pp=pp, dp=2)
     model = tiny_model(kind, kv_heads=kv_heads).double()
-    what = f"{kind} dp=2 tp={tp} pp={pp} {schedule} zero={zero} reshard_after_forward={reshard_after_forward}"
+    what = f"{kind} dp=2 tp={tp} pp={pp} {schedule} zero={zero} reshard_after_forward={reshard_after_forward} {wrap}"
     reference, reference_norms = _reference(copy.deepcopy(model))
     wrapped = parallelize(model, schedule=schedule, n_microbatches=microbatches, state=state,
-                          vocab_parallel_logits=pp == 1)  # at pp=1 so that the loss is torchpp's (fp64) too
+                          vocab_parallel_logits=pp == 1, **wrap)  # at pp=1 so that the loss is torchpp's (fp64) too
     hold = [wrapped.tied_weight] if wrapped.tied_weight is not None else []
     optimizer = DistributedOptimizer(wrapped, torch.optim.AdamW, state, zero=zero, max_norm=MAX_NORM,
                                      accumulations_per_step=microbatches, hold=hold, bucket_bytes=BUCKET_BYTES, lr=LR,
@@ -134,7 +135,10 @@ def check_pp2():
 
 
 def check_tp2():
-    return all(check_zero("llama", "1f1b", zero, tp=2, kv_heads=1) for zero in (2, 3))
+    return (all(check_zero("llama", "1f1b", zero, tp=2, kv_heads=1) for zero in (2, 3))
+            # sequence-parallel norms (held to the end), and forwards re-run inside backward
+            and check_zero("llama", "1f1b", 3, tp=2, sequence_parallel=True, recompute="full")
+            and check_zero("llama", "1f1b", 3, tp=2, reshard_after_forward=True, recompute="full"))
 
 
 def test_zero_2_and_3_data_parallel(ranks):
