@@ -80,6 +80,7 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, res
         if zero == 3 and reshard_after_forward:  # gathered again for later microbatches and for backward
             assert optimizer.optimizer.gathers - gathers > buckets * microbatches, (what, optimizer.optimizer.gathers)
         elif zero == 3:  # one gather per bucket per step, however many microbatches used it
+            assert optimizer.optimizer.prefetches > 0, f"{what}: no gather was launched ahead of its module"
             assert optimizer.optimizer.gathers - gathers == buckets, (
                 f"{what}: {optimizer.optimizer.gathers - gathers} gathers in a step of {microbatches} microbatches "
                 f"over {buckets} buckets")

@@ -13,8 +13,9 @@ Stages 2 and 3 pack parameters into buckets (one flat buffer each) instead of on
 dtype, so each bucket's gradient is reduce-scattered as soon as backward has finished it
 (torchpp/parallel/zero_grads.py) and its full gradient is freed. Stage 3 keeps each rank's
 parameter shard in a tensor of its own (what the optimizer updates) and the full bucket only
-while it is in use: gathered before the first forward that needs it, released once its
-gradient is final (so under a pipeline it stays gathered across the step's microbatches).
+while it is in use: gathered before the first forward that needs it (and the next bucket's gather launched
+then, a prefetch), released once its gradient is final (so under a pipeline it stays gathered
+across the step's microbatches).
 """
 from __future__ import annotations
 
@@ -63,23 +64,36 @@ class _FlatGroup:
         self.param_shard: Optional[torch.Tensor] = None
         self.gathered = True
         self.gathers = 0
+        self.prefetches = 0  # of the gathers, those launched ahead of their module (see gather_params_of)
+        self.work: Optional[dist.Work] = None
         if shard_params:
             self.param_shard = self.flat_param[self.shard_lo : self.shard_lo + self.shard_size].clone()
             self.release()
 
     @torch.no_grad()
-    def gather(self, group) -> None:
-        """ZeRO-3: allocates the full parameters again and all-gathers them from the shards."""
+    def gather(self, group, async_op: bool = False) -> None:
+        """ZeRO-3: allocates the full parameters again and all-gathers them from the shards
+        (``async_op``: launched only, a prefetch; the next gather() or release() waits)."""
         if self.gathered:
+            if self.work is not None and not async_op:
+                self.work.wait()
+                self.work = None
             return
         self.flat_param.untyped_storage().resize_(self.flat_param.numel() * self.flat_param.element_size())
-        dist.all_gather_single(self.flat_param, self.param_shard, group=group)
+        self.work = dist.all_gather_single(self.flat_param, self.param_shard, group=group, async_op=True)
         self.gathered = True
         self.gathers += 1
+        self.prefetches += int(async_op)
+        if not async_op:
+            self.work.wait()
+            self.work = None
 
     def release(self) -> None:
         """ZeRO-3: frees the full parameters (the model's parameters keep their shapes, with no storage)."""
         if self.param_shard is not None and self.gathered:
+            if self.work is not None:  # a prefetch still writing into the buffer
+                self.work.wait()
+                self.work = None
             self.flat_param.untyped_storage().resize_(0)
             self.gathered = False
 
@@ -150,6 +164,7 @@ class ZeroRedundancyOptimizer:
         self.shard_params = shard_params
         self.flat_groups = [_FlatGroup(ps, self.dp_size, self.dp_rank, shard_params) for ps in packs]
         self._group_of = {id(p): flat for flat in self.flat_groups for p in flat.params}
+        self._index_of = {id(flat): k for k, flat in enumerate(self.flat_groups)}
         self.segments: List[_Segment] = [s for g in self.flat_groups for s in g.segments()]
 
         # One optimizer param group per distinct option set, holding this rank's segments.
@@ -198,13 +213,21 @@ class ZeroRedundancyOptimizer:
             shard = flat.flat_param[flat.shard_lo : flat.shard_lo + flat.shard_size].clone()
             dist.all_gather_single(flat.flat_param, shard, group=self.dp_group)
 
-    def gather_params_of(self, params: Iterable[torch.Tensor]) -> None:
+    def gather_params_of(self, params: Iterable[torch.Tensor], prefetch: bool = False) -> None:
         """ZeRO-3: gathers every bucket holding one of `params` (collective over dp: every rank
-        must ask for the same buckets in the same order, as identical forwards do)."""
+        must ask for the same buckets in the same order, as identical forwards do).
+        ``prefetch``: also launch the gather of the bucket the forward reaches next."""
+        last = None
         for param in params:
             flat = self._group_of.get(id(param))
             if flat is not None:
                 flat.gather(self.dp_group)
+                last = flat
+        if prefetch and last is not None:
+            # Buckets are packed in reverse parameter order: the forward meets them backwards.
+            index = self._index_of[id(last)]
+            if index > 0:
+                self.flat_groups[index - 1].gather(self.dp_group, async_op=True)
 
     def release_params_of(self, params: Iterable[torch.Tensor]) -> None:
         """ZeRO-3: releases every bucket holding one of `params` (local: no collective)."""
@@ -217,6 +240,11 @@ class ZeroRedundancyOptimizer:
     def gathers(self) -> int:
         """ZeRO-3: all-gathers of parameter buckets so far."""
         return sum(flat.gathers for flat in self.flat_groups)
+
+    @property
+    def prefetches(self) -> int:
+        """ZeRO-3: of the gathers, those launched ahead of the forward that needed them."""
+        return sum(flat.prefetches for flat in self.flat_groups)
 
     def gather_all_params(self) -> None:
         """ZeRO-3: gathers every bucket (e.g. before saving or evaluating the whole model)."""

@@ -45,7 +45,9 @@ def gather_before_forward(model: torch.nn.Module, optimizer,
         buckets = list({id(optimizer._group_of[id(p)]): optimizer._group_of[id(p)] for p in own}.values())
 
         def gather(_module, _args, own=own, buckets=buckets):
-            optimizer.gather_params_of(own)
+            # Prefetch only in a forward proper: a forward re-run in backward (recompute) would
+            # fetch a bucket whose backward is over.
+            optimizer.gather_params_of(own, prefetch=torch._C._current_graph_task_id() == -1)
             if reshard_after_forward:
                 for flat in buckets:
                     running[id(flat)] = running.get(id(flat), 0) + 1
