@@ -110,6 +110,9 @@ class DistributedOptimizer:
         zero = zero_stage(getattr(model, "zero_stage", 0) if zero is None else zero)
         if model is not None:
             params = model.named_parameters()
+        if reshard_after_forward and zero != 3:
+            raise ValueError(f"DistributedOptimizer: reshard_after_forward=True reshards parameters, which only zero=3 "
+                             f"shards; got zero={zero}")
         if zero == 3 and model is None:
             raise ValueError("DistributedOptimizer: zero=3 gathers parameters before each module's forward and needs "
                              "the model: pass it as params (DistributedOptimizer(model, ...)), not its parameters")
