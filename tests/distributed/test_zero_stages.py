@@ -1,5 +1,5 @@
 """ZeRO-2 and ZeRO-3 (DistributedOptimizer(zero=2|3)) on wrapped transformers models, fp64: dp=2
-at pp=1 (and the non-finite guard), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
+at pp=1 (with a GradScaler's loss scaling too, and the non-finite guard), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
 deliver the weight gradients that the reduce-scatter waits for), and dp=2 x tp=2 (also with
 sequence parallelism and full recompute). Three AdamW
 steps with global-norm clipping give the losses and norms of the unwrapped model trained in
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torchpp
 from torchpp.models import parallelize
 from torchpp.models.parallelize import causal_lm_loss
-from torchpp.parallel import DistributedOptimizer
+from torchpp.parallel import DistributedOptimizer, GradScaler
 from hf_reference import tiny_model
 
 STEPS, LR, MAX_NORM, ROWS, SEQ = 3, 1e-2, 0.5, 8, 8
@@ -55,17 +55,21 @@ def _check_bytes(what, memory, local_numel, buckets, dp, zero):
             f"are {full} bytes, dp={dp}")
 
 
-def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, reshard_after_forward=False, **wrap):
+def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, reshard_after_forward=False,
+               scaled=False, **wrap):
     state = torchpp.init_parallel(tp=tp, pp=pp, dp=2)
     model = tiny_model(kind, kv_heads=kv_heads).double()
-    what = f"{kind} dp=2 tp={tp} pp={pp} {schedule} zero={zero} reshard_after_forward={reshard_after_forward} {wrap}"
+    what = (f"{kind} dp=2 tp={tp} pp={pp} {schedule} zero={zero} reshard_after_forward={reshard_after_forward} "
+            f"scaled={scaled} {wrap}")
+    # A loss scale of 2^16 is exact in fp64: scaled and unscaled, the gradients are the same.
+    scaler = GradScaler("cpu") if scaled else None
     reference, reference_norms = _reference(copy.deepcopy(model))
     wrapped = parallelize(model, schedule=schedule, n_microbatches=microbatches, state=state,
-                          vocab_parallel_logits=pp == 1, **wrap)  # at pp=1 so that the loss is torchpp's (fp64) too
+                          vocab_parallel_logits=pp == 1, grad_scaler=scaler, **wrap)  # at pp=1 so that the loss is torchpp's (fp64) too
     hold = [wrapped.tied_weight] if wrapped.tied_weight is not None else []
     optimizer = DistributedOptimizer(wrapped, torch.optim.AdamW, state, zero=zero, max_norm=MAX_NORM,
                                      accumulations_per_step=microbatches, hold=hold, bucket_bytes=BUCKET_BYTES, lr=LR,
-                                     reshard_after_forward=reshard_after_forward)
+                                     reshard_after_forward=reshard_after_forward, grad_scaler=scaler)
     local_numel = sum(p.numel() for p in optimizer.params)
     buckets = len(optimizer.optimizer.flat_groups)
     ids = _ids(model.config.vocab_size)
@@ -126,7 +130,8 @@ def check_nonfinite(zero):
 
 
 def check_pp1():
-    return all(check_zero("llama", "1f1b", zero) and check_nonfinite(zero) for zero in (2, 3))
+    return all(check_zero("llama", "1f1b", zero) and check_nonfinite(zero) and check_zero("llama", "1f1b", zero, scaled=True)
+               for zero in (2, 3))
 
 
 def check_pp2():
