@@ -1,6 +1,6 @@
 """ZeRO-2 and ZeRO-3 (DistributedOptimizer(zero=2|3)) on wrapped transformers models, fp64: dp=2
 at pp=1 (with a GradScaler's loss scaling too, and the non-finite guard), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
-deliver the weight gradients that the reduce-scatter waits for), and dp=2 x tp=2 (also with
+deliver the weight gradients that the reduce-scatter waits for) and DualPipe (ZeRO-3), and dp=2 x tp=2 (also with
 sequence parallelism and full recompute). Three AdamW
 steps with global-norm clipping give the losses and norms of the unwrapped model trained in
 one process on the full batch (rtol 1e-9), and each rank holds 1/dp of the sharded state:
@@ -68,7 +68,7 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, res
                           vocab_parallel_logits=pp == 1, grad_scaler=scaler, **wrap)  # at pp=1 so that the loss is torchpp's (fp64) too
     hold = [wrapped.tied_weight] if wrapped.tied_weight is not None else []
     optimizer = DistributedOptimizer(wrapped, torch.optim.AdamW, state, zero=zero, max_norm=MAX_NORM,
-                                     accumulations_per_step=microbatches, hold=hold, bucket_bytes=BUCKET_BYTES, lr=LR,
+                                     accumulations_per_step=microbatches // (2 if schedule == "dualpipe" else 1), hold=hold, bucket_bytes=BUCKET_BYTES, lr=LR,
                                      reshard_after_forward=reshard_after_forward, grad_scaler=scaler)
     local_numel = sum(p.numel() for p in optimizer.params)
     buckets = len(optimizer.optimizer.flat_groups)
@@ -137,7 +137,9 @@ def check_pp1():
 def check_pp2():
     return (all(check_zero("gpt2", schedule, zero, pp=2, microbatches=4) for schedule in ("1f1b", "zb-h1")
                 for zero in (2, 3))
-            and check_zero("gpt2", "zb-h1", 3, pp=2, microbatches=4, reshard_after_forward=True))
+            and check_zero("gpt2", "zb-h1", 3, pp=2, microbatches=4, reshard_after_forward=True)
+            # each rank holds two stages, each stage is on two ranks, the tied pair on both ends
+            and check_zero("gpt2", "dualpipe", 3, pp=2, microbatches=4))
 
 
 def check_tp2():
