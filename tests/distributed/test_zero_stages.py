@@ -78,13 +78,17 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, res
     for _ in range(STEPS):
         optimizer.zero_grad()
         gathers = optimizer.optimizer.gathers
+        optimizer.optimizer.gathered_buckets.peak = 0
         loss = wrapped.step(rows if wrapped.has_first_stage else None, labels=rows if wrapped.has_last_stage else None)
         norms.append(optimizer.step())
         assert all(p.grad is None for p in optimizer.params), f"{what}: a full gradient outlived its reduce-scatter"
+        peak = optimizer.optimizer.gathered_buckets.peak
         if zero == 3 and reshard_after_forward:  # gathered again for later microbatches and for backward
             assert optimizer.optimizer.gathers - gathers > buckets * microbatches, (what, optimizer.optimizer.gathers)
+            assert peak < buckets / 2, f"{what}: {peak} of {buckets} buckets gathered at once"
         elif zero == 3:  # one gather per bucket per step, however many microbatches used it
             assert optimizer.optimizer.prefetches > 0, f"{what}: no gather was launched ahead of its module"
+            assert peak == buckets, f"{what}: kept gathered, yet only {peak} of {buckets} buckets at once"
             assert optimizer.optimizer.gathers - gathers == buckets, (
                 f"{what}: {optimizer.optimizer.gathers - gathers} gathers in a step of {microbatches} microbatches "
                 f"over {buckets} buckets")
@@ -130,8 +134,9 @@ def check_nonfinite(zero):
 
 
 def check_pp1():
-    return all(check_zero("llama", "1f1b", zero) and check_nonfinite(zero) and check_zero("llama", "1f1b", zero, scaled=True)
-               for zero in (2, 3))
+    return (all(check_zero("llama", "1f1b", zero) and check_nonfinite(zero)
+                and check_zero("llama", "1f1b", zero, scaled=True) for zero in (2, 3))
+            and check_zero("llama", "1f1b", 3, reshard_after_forward=True))
 
 
 def check_pp2():

@@ -37,12 +37,21 @@ class _Segment:
     param_lo: int = 0  # where the segment starts in the flattened parameter (for checkpoints)
 
 
+@dataclass
+class GatheredBuckets:
+    """ZeRO-3: how many buckets are gathered now, and the most at once since ``peak`` was reset."""
+
+    now: int = 0
+    peak: int = 0
+
+
 class _FlatGroup:
     """Parameters of one dtype/device (all of them, or one bucket), packed into flat parameter
     and gradient buffers. ``shard_params`` (ZeRO-3): this rank's part of the parameters lives in
     ``param_shard``, and the full ``flat_param`` is allocated only while gathered."""
 
-    def __init__(self, params: List[torch.nn.Parameter], dp_size: int, dp_rank: int, shard_params: bool = False):
+    def __init__(self, params: List[torch.nn.Parameter], dp_size: int, dp_rank: int, shard_params: bool = False,
+                 live: Optional[GatheredBuckets] = None):
         numel = sum(p.numel() for p in params)
         padded = -(-numel // dp_size) * dp_size
         dtype, device = params[0].dtype, params[0].device
@@ -66,9 +75,11 @@ class _FlatGroup:
         self.gathers = 0
         self.prefetches = 0  # of the gathers, those launched ahead of their module (see gather_params_of)
         self.work: Optional[dist.Work] = None
+        self.live = live if live is not None else GatheredBuckets()
         if shard_params:
             self.param_shard = self.flat_param[self.shard_lo : self.shard_lo + self.shard_size].clone()
-            self.release()
+            self.flat_param.untyped_storage().resize_(0)  # never counted as gathered
+            self.gathered = False
 
     @torch.no_grad()
     def gather(self, group, async_op: bool = False) -> None:
@@ -83,6 +94,8 @@ class _FlatGroup:
         self.work = dist.all_gather_single(self.flat_param, self.param_shard, group=group, async_op=True)
         self.gathered = True
         self.gathers += 1
+        self.live.now += 1
+        self.live.peak = max(self.live.peak, self.live.now)
         self.prefetches += int(async_op)
         if not async_op:
             self.work.wait()
@@ -96,6 +109,7 @@ class _FlatGroup:
                 self.work = None
             self.flat_param.untyped_storage().resize_(0)
             self.gathered = False
+            self.live.now -= 1
 
     def segments(self) -> List[_Segment]:
         lo, hi = self.shard_lo, self.shard_lo + self.shard_size
@@ -162,7 +176,9 @@ class ZeroRedundancyOptimizer:
         else:
             packs = list(by_kind.values())
         self.shard_params = shard_params
-        self.flat_groups = [_FlatGroup(ps, self.dp_size, self.dp_rank, shard_params) for ps in packs]
+        self.gathered_buckets = GatheredBuckets()  # ZeRO-3's live count (what reshard_after_forward lowers)
+        self.flat_groups = [_FlatGroup(ps, self.dp_size, self.dp_rank, shard_params, self.gathered_buckets)
+                            for ps in packs]
         self._group_of = {id(p): flat for flat in self.flat_groups for p in flat.params}
         self._index_of = {id(flat): k for k, flat in enumerate(self.flat_groups)}
         self.segments: List[_Segment] = [s for g in self.flat_groups for s in g.segments()]

@@ -31,10 +31,11 @@ def gather_before_forward(model: torch.nn.Module, optimizer,
     with shard_params). Returns the hook handles.
 
     Args:
-        reshard_after_forward: also release the buckets after each forward (every microbatch)
-            and gather them again when backward reaches the module's outputs (FSDP2's option of
-            that name): less memory between a microbatch's forward and backward, at the price
-            of a gather per module per forward and per backward instead of one per step.
+        reshard_after_forward: also release the buckets after each forward (every microbatch),
+            gather them again when backward reaches the module's outputs and release them once
+            its inputs' gradients are computed (FSDP2's option of that name): less memory, at
+            the price of a gather per module per forward and per backward instead of one per
+            bucket per step.
     """
     handles = []
     running = {}  # bucket -> forwards using it now (a parent's own parameters may share a child's bucket)
@@ -54,22 +55,45 @@ def gather_before_forward(model: torch.nn.Module, optimizer,
 
         handles.append(module.register_forward_pre_hook(gather))
         if reshard_after_forward:
-            handles.append(module.register_forward_hook(_release_until_backward(optimizer, own, buckets, running)))
+            handles.append(module.register_forward_hook(_release_until_backward(optimizer, own, buckets, running),
+                                                        with_kwargs=True))
     return handles
 
 
 def _release_until_backward(optimizer, own, buckets, running):
-    def before_backward(grad):
-        optimizer.gather_params_of(own)  # the saved views see the same storage, refilled
+    """The forward hook of reshard_after_forward: releases the module's buckets, and arranges
+    their gather when backward reaches the module's outputs and their release again once
+    backward has produced the gradients of its inputs (its I pass: a W pass needs no weights).
+    ``running`` counts, per bucket, the forwards and the backwards using it now; a bucket is
+    released only when none does (buckets are shared by neighbouring modules)."""
 
-    def release(_module, _args, output):
-        for tensor in _tensors(output):
-            if tensor.requires_grad:
-                tensor.register_hook(before_backward)
+    def use(flat_delta):
         for flat in buckets:
-            running[id(flat)] -= 1
+            running[id(flat)] = running.get(id(flat), 0) + flat_delta
             if running[id(flat)] == 0:
                 flat.release()
+
+    def release(_module, args, kwargs, output):
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        call = {"in_backward": False}  # this forward call's backward (one per microbatch)
+
+        def before_backward(grad):
+            optimizer.gather_params_of(own)  # the saved views see the same storage, refilled
+            if inputs and not call["in_backward"]:
+                call["in_backward"] = True
+                use(+1)
+
+        def after_backward(_grads):
+            if call["in_backward"]:
+                call["in_backward"] = False
+                use(-1)
+
+        for tensor in outputs:
+            tensor.register_hook(before_backward)
+        if outputs and inputs:  # without inputs that need gradients, the reduce-scatter releases it
+            torch.autograd.graph.register_multi_grad_hook(inputs, after_backward)
+        use(-1)  # this forward is over
 
     return release
 
