@@ -1,6 +1,7 @@
 """ZeRO-2 and ZeRO-3 (DistributedOptimizer(zero=2|3)) on wrapped transformers models, fp64: dp=2
 at pp=1 (with a GradScaler's loss scaling too, and the non-finite guard), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
-deliver the weight gradients that the reduce-scatter waits for) and DualPipe (ZeRO-3), and dp=2 x tp=2 (also with
+deliver the weight gradients that the reduce-scatter waits for), DualPipe and interleaved
+1F1B (ZeRO-3) and zb-v (ZeRO-2), and dp=2 x tp=2 (also with
 sequence parallelism and full recompute). Three AdamW
 steps with global-norm clipping give the losses and norms of the unwrapped model trained in
 one process on the full batch (rtol 1e-9), and each rank holds 1/dp of the sharded state:
@@ -144,7 +145,11 @@ def check_pp2():
                 for zero in (2, 3))
             and check_zero("gpt2", "zb-h1", 3, pp=2, microbatches=4, reshard_after_forward=True)
             # each rank holds two stages, each stage is on two ranks, the tied pair on both ends
-            and check_zero("gpt2", "dualpipe", 3, pp=2, microbatches=4))
+            and check_zero("gpt2", "dualpipe", 3, pp=2, microbatches=4)
+            # two stages per rank; under zb-v rank 0 holds both ends, so the tied embedding is
+            # accumulated twice per microbatch (held to the end: DistributedOptimizer finds it)
+            and check_zero("gpt2", "interleaved-1f1b", 3, pp=2, microbatches=4)
+            and check_zero("gpt2", "zb-v", 2, pp=2, microbatches=4))
 
 
 def check_tp2():

@@ -51,7 +51,8 @@ class DistributedOptimizer:
         max_norm: clip gradients to this global norm (None: no clipping).
         accumulations_per_step: gradient accumulations per parameter per step (the number of
             microbatches), so buckets launch while backward runs.
-        hold: parameters whose gradients change after backward (e.g. tied embeddings).
+        hold: parameters whose gradients change after backward (e.g. tied embeddings); with the
+            model given, parameters used by two of its pipeline stages on this rank are added.
         bucket_bytes: data-parallel bucket size.
         grad_scaler: a torchpp.parallel.GradScaler (fp16): step() unscales the gradients
             before clipping, skips the update on every rank if any rank found an inf or NaN,
@@ -116,6 +117,7 @@ class DistributedOptimizer:
         if zero == 3 and model is None:
             raise ValueError("DistributedOptimizer: zero=3 gathers parameters before each module's forward and needs "
                              "the model: pass it as params (DistributedOptimizer(model, ...)), not its parameters")
+        hold = list(hold) + _shared_by_stages(model)
         named = [item if isinstance(item, tuple) else (None, item) for item in params]
         named = [(name, p) for name, p in named if p.requires_grad]
         self.params = [p for _, p in named]
@@ -285,3 +287,17 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state_dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+
+def _shared_by_stages(model) -> list:
+    """Parameters that two of this rank's pipeline stages use (a tied embedding when one rank
+    holds both the first and the last stage, as under zb-v): accumulated once per microbatch in
+    each stage, so counting cannot tell when they are final; they wait for step()."""
+    stages = getattr(model, "pipeline_stages", None) or []
+    seen, shared = set(), []
+    for stage in stages:
+        for param in {id(p): p for p in stage.parameters()}.values():
+            if id(param) in seen:
+                shared.append(param)
+            seen.add(id(param))
+    return shared
