@@ -112,6 +112,9 @@ def check_nonfinite(zero):
     shards NaN: the step is skipped on every rank, parameters unchanged; the next step updates."""
     state = torchpp.init_parallel(tp=1, pp=1, dp=2)
     wrapped = parallelize(tiny_model("llama").double(), state=state, vocab_parallel_logits=True, zero=zero)
+    if zero == 3:  # the stage is read from the parameters too, and ZeRO-3 needs the modules
+        with pytest.raises(ValueError, match="zero=3 gathers parameters before each module's forward"):
+            DistributedOptimizer(wrapped.parameters(), torch.optim.AdamW, state, lr=LR)
     optimizer = DistributedOptimizer(wrapped, torch.optim.AdamW, state, max_norm=MAX_NORM, bucket_bytes=BUCKET_BYTES,
                                      lr=LR)
     assert optimizer.zero == zero  # taken from parallelize(zero=)

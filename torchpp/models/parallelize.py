@@ -633,6 +633,8 @@ def parallelize(
     model._num_model_stages = num_stages
     model.grad_scaler = grad_scaler
     model.zero_stage = zero
+    for param in model.parameters():  # DistributedOptimizer(zero=None) reads it from what it is given
+        param.zero_stage = zero
     if not causal_lm:  # not a submodule, even when the loss is an nn.Module
         object.__setattr__(model, "loss_fn", loss_fn)
     if causal_lm and vocab_parallel_logits:

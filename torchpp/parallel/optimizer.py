@@ -46,8 +46,8 @@ class DistributedOptimizer:
             With 2 and 3, ``param.grad`` is None after backward: the shards are in the
             optimizer's param_groups; with 3, the model's parameters have no storage between
             steps (``gather_params()`` gathers them all, e.g. to evaluate or save).
-            None: the stage given to ``parallelize(model, zero=...)`` when params is that
-            model, else 0.
+            None: the stage given to ``parallelize(model, zero=...)`` (marked on its
+            parameters), else 0.
         max_norm: clip gradients to this global norm (None: no clipping).
         accumulations_per_step: gradient accumulations per parameter per step (the number of
             microbatches), so buckets launch while backward runs.
@@ -108,9 +108,14 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer: post_validate=True validates clipping and needs max_norm")
         self.state = state or get_parallel_state()
         model = params if isinstance(params, torch.nn.Module) else None
-        zero = zero_stage(getattr(model, "zero_stage", 0) if zero is None else zero)
         if model is not None:
             params = model.named_parameters()
+        params = list(params)
+        if zero is None:  # parallelize(model, zero=) marks the model and its parameters
+            marked = [getattr(p, "zero_stage", None) for p in (item[-1] if isinstance(item, tuple) else item
+                                                               for item in params)]
+            zero = next((stage for stage in marked if stage is not None), 0)
+        zero = zero_stage(zero)
         if reshard_after_forward and zero != 3:
             raise ValueError(f"DistributedOptimizer: reshard_after_forward=True reshards parameters, which only zero=3 "
                              f"shards; got zero={zero}")
