@@ -81,6 +81,13 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, res
         gathers = optimizer.optimizer.gathers
         optimizer.optimizer.gathered_buckets.peak = 0
         loss = wrapped.step(rows if wrapped.has_first_stage else None, labels=rows if wrapped.has_last_stage else None)
+        if microbatches == 1:  # no accumulation: after backward, the shards and one bucket still in flight
+            flats = optimizer.optimizer.flat_groups
+            in_flight = max(f.flat_grad.numel() for f in flats) * 8
+            shards = sum(f.grad_shard.numel() for f in flats) * 8
+            assert optimizer.memory_bytes()["grad"] <= shards + in_flight, (
+                f"{what}: {optimizer.memory_bytes()['grad']} gradient bytes after backward; shards {shards}, "
+                f"largest bucket {in_flight}")
         norms.append(optimizer.step())
         assert all(p.grad is None for p in optimizer.params), f"{what}: a full gradient outlived its reduce-scatter"
         peak = optimizer.optimizer.gathered_buckets.peak

@@ -35,6 +35,7 @@ class ShardedGradReducer(GradReducer):
     def __init__(self, optimizer: ZeroRedundancyOptimizer, accumulations_per_step: int = 1,
                  hold: Iterable[torch.nn.Parameter] = ()):
         self.zero_optimizer = optimizer
+        self._in_flight: List[_Bucket] = []  # launched, not yet waited for
         params = [p for flat in reversed(optimizer.flat_groups) for p in reversed(flat.params)]
         super().__init__(params, optimizer.dp_group, 0, accumulations_per_step, hold,
                          average_over=optimizer.average_over)
@@ -71,12 +72,14 @@ class ShardedGradReducer(GradReducer):
         flat = bucket.flat
         self._allocate(flat)  # a bucket no gradient reached reduces zeros
         bucket.work = dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=self.group, async_op=True)
+        self._in_flight.append(bucket)
 
     def wait_bucket(self, bucket: _Bucket) -> None:
         if bucket.work is None:
             return
         bucket.work.wait()
         bucket.work = None
+        self._in_flight = [b for b in self._in_flight if b is not bucket]
         flat = bucket.flat
         flat.grad_shard.div_(self.average_over)
         flat.flat_grad.untyped_storage().resize_(0)  # only the shard is kept
@@ -87,9 +90,9 @@ class ShardedGradReducer(GradReducer):
     def grad_ready(self, param: torch.Tensor) -> None:
         # One bucket in flight: launching the next one first waits for (and frees) the earlier
         # ones, so the full gradients of finished buckets do not pile up during backward.
-        earlier = [b for b in self.buckets if b.work is not None]
+        earlier = list(self._in_flight)
         super().grad_ready(param)
-        if len(earlier) < sum(b.work is not None for b in self.buckets):
+        if len(self._in_flight) > len(earlier):
             for bucket in earlier:
                 self.wait_bucket(bucket)
 
