@@ -1,5 +1,6 @@
 """ZeRO-2 and ZeRO-3 (DistributedOptimizer(zero=2|3)) on wrapped transformers models, fp64: dp=2
-at pp=1 (with a GradScaler's loss scaling too, and the non-finite guard), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
+at pp=1 (with a GradScaler's loss scaling too, the non-finite guard, and bf16 autocast
+against ZeRO-1), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
 deliver the weight gradients that the reduce-scatter waits for), DualPipe and interleaved
 1F1B (ZeRO-3) and zb-v (ZeRO-2), and dp=2 x tp=2 (also with
 sequence parallelism and full recompute). Three AdamW
@@ -144,10 +145,34 @@ def check_nonfinite(zero):
     return True
 
 
+def check_bf16_autocast():
+    """Under bf16 autocast (fp32 parameters) ZeRO-2 and ZeRO-3 give ZeRO-1's losses: the stages
+    change where gradients and weights live, not what is computed."""
+    state = torchpp.init_parallel(tp=1, pp=1, dp=2)
+    base = tiny_model("llama")
+    rows = _ids(base.config.vocab_size).chunk(2)[state.dp_rank]
+    losses = {}
+    for zero in (1, 2, 3):
+        model = parallelize(copy.deepcopy(base), state=state, zero=zero)
+        optimizer = DistributedOptimizer(model, torch.optim.AdamW, state, lr=LR, max_norm=MAX_NORM,
+                                         bucket_bytes=BUCKET_BYTES)
+        losses[zero] = []
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses[zero].append(model.step(rows, labels=rows))
+            optimizer.step()
+    for zero in (2, 3):
+        torch.testing.assert_close(torch.stack(losses[zero]), torch.stack(losses[1]), rtol=1e-6, atol=0,
+                                   msg=lambda m: f"bf16 autocast zero={zero} vs zero=1: {m}")
+    return True
+
+
 def check_pp1():
     return (all(check_zero("llama", "1f1b", zero) and check_nonfinite(zero)
                 and check_zero("llama", "1f1b", zero, scaled=True) for zero in (2, 3))
-            and check_zero("llama", "1f1b", 3, reshard_after_forward=True))
+            and check_zero("llama", "1f1b", 3, reshard_after_forward=True)
+            and check_bf16_autocast())
 
 
 def check_pp2():
