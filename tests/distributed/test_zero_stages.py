@@ -1,6 +1,6 @@
 """ZeRO-2 and ZeRO-3 (DistributedOptimizer(zero=2|3)) on wrapped transformers models, fp64: dp=2
 at pp=1 (with a GradScaler's loss scaling too, the non-finite guard, and bf16 autocast
-against ZeRO-1), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
+against ZeRO-1, and ZeRO-3 with post-validation), at pp=2 under 1f1b and zb-h1 (tied GPT-2 embeddings on different stages; W passes
 deliver the weight gradients that the reduce-scatter waits for), DualPipe and interleaved
 1F1B (ZeRO-3) and zb-v (ZeRO-2), and dp=2 x tp=2 (also with
 sequence parallelism and full recompute). Three AdamW
@@ -168,11 +168,44 @@ def check_bf16_autocast():
     return True
 
 
+def check_post_validate_zero3():
+    """ZeRO-3 with optimizer post-validation: the accepted losses and the final parameters equal
+    the synchronous ZeRO-3 run's, clipped steps rolled back and their batches run again."""
+    state = torchpp.init_parallel(tp=1, pp=1, dp=2)
+    base = tiny_model("llama").double()
+    runs = {}
+    for post_validate in (False, True):
+        model = parallelize(copy.deepcopy(base), state=state, zero=3, vocab_parallel_logits=True)
+        optimizer = DistributedOptimizer(model, torch.optim.AdamW, state, lr=LR, max_norm=MAX_NORM,
+                                         post_validate=post_validate, bucket_bytes=BUCKET_BYTES)
+        losses, reruns = [], 0
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step)
+            rows = torch.randint(0, base.config.vocab_size, (ROWS, SEQ), generator=g).chunk(2)[state.dp_rank]
+            while True:
+                optimizer.zero_grad()
+                loss = model.step(rows, labels=rows)
+                optimizer.step()
+                if not optimizer.rerun:
+                    break
+                reruns += 1
+            losses.append(loss)
+        if post_validate:
+            optimizer.flush()
+        optimizer.gather_params()
+        runs[post_validate] = (torch.stack(losses), [p.detach().clone() for p in model.parameters()], reruns)
+    assert runs[True][2] > 0, "no step needed clipping: the roll-back was not exercised"
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-12, atol=0)
+    for a, b in zip(runs[True][1], runs[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    return True
+
+
 def check_pp1():
     return (all(check_zero("llama", "1f1b", zero) and check_nonfinite(zero)
                 and check_zero("llama", "1f1b", zero, scaled=True) for zero in (2, 3))
             and check_zero("llama", "1f1b", 3, reshard_after_forward=True)
-            and check_bf16_autocast())
+            and check_bf16_autocast() and check_post_validate_zero3())
 
 
 def check_pp2():
