@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/train_llama.py            # pp=2 x tp=2, zb-h1
     torchrun --nproc-per-node 8 examples/train_llama.py            # pp=2 x tp=2 x dp=2
-    torchrun --nproc-per-node 4 examples/train_llama.py --zero --schedule interleaved-1f1b
+    torchrun --nproc-per-node 4 examples/train_llama.py --zero --schedule interleaved-1f1b  # --zero 2 / --zero 3: ZeRO-2/3
     torchrun --nproc-per-node 4 examples/train_llama.py --schedule dualpipe --microbatches 4
     torchrun --nproc-per-node 4 examples/train_llama.py --fp16     # fp16 autocast, dynamic loss scaling
     torchrun --nproc-per-node 4 examples/train_llama.py --fp16 --post-validate   # no wait for norm/inf checks
@@ -44,7 +44,9 @@ def parse_args():
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks")
     parser.add_argument("--schedule", default="zb-h1", help="any torchpp.schedule name")
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--zero", action="store_true", help="ZeRO-1: shard Adam's state over dp")
+    parser.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3),
+                        help="ZeRO stage over dp: 1 (the flag alone) shards Adam's state, 2 the gradients too, "
+                             "3 the weights too")
     parser.add_argument("--recompute", choices=["full", "selective"], default=None)
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="mixed precision: the step under torch.autocast(bf16)")
@@ -107,12 +109,12 @@ def main():
     # One skip decision and one scale on every rank; disabled (a no-op) unless --fp16.
     scaler = GradScaler(state.device.type, enabled=args.fp16)
     model = parallelize(hf_model, schedule=args.schedule, n_microbatches=args.microbatches,
-                        recompute=args.recompute, state=state, grad_scaler=scaler)
+                        recompute=args.recompute, state=state, grad_scaler=scaler, zero=args.zero)
     del hf_model
     if args.init_from:
         load_hf_weights(model, args.init_from)
     model_parallel_manual_seed(args.seed, tp_rank=state.tp_rank, pp_rank=state.pp_rank)
-    optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, zero=args.zero, max_norm=1.0,
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, state, max_norm=1.0,
                                      accumulations_per_step=args.microbatches, lr=args.lr, grad_scaler=scaler,
                                      post_validate=args.post_validate,
                                      hold=[model.tied_weight] if model.tied_weight is not None else [])
@@ -159,6 +161,7 @@ def main():
     if args.post_validate:
         optimizer.flush()  # settles the last update
     if args.save_hf:
+        optimizer.gather_params()  # ZeRO-3 holds only shards between steps
         save_hf_checkpoint(model, args.save_hf)
         if rank == 0:
             print(f"wrote the transformers checkpoint {args.save_hf}")

@@ -1,5 +1,5 @@
 """Optimizer post-validation (DistributedOptimizer(post_validate=True)) gives exactly the
-synchronous trajectory: a GPT trained with ZB-H2 over dp2 x pp2 (DP all-reduce and ZeRO-1) and
+synchronous trajectory: a GPT trained with ZB-H2 over dp2 x pp2 (DP all-reduce, ZeRO-1, ZeRO-2) and
 pp2 x tp2, where some steps clip and some do not. Each batch's accepted loss and the final
 parameters equal the synchronous run's; the steps that needed clipping were rolled back,
 redone clipped and their next batch run again (the last one by flush()). With an fp16 loss
@@ -119,12 +119,13 @@ def _check(dp, pp, tp, schedule, zero, scaled, checkpoint):
 @pytest.mark.parametrize("dp,pp,tp,zero,scaled", [
     (2, 2, 1, False, False),
     (2, 2, 1, True, False),
+    (2, 2, 1, 2, False),
     (1, 2, 2, False, False),
     (2, 2, 1, True, True),
     (1, 2, 2, False, True),
-], ids=["dp2-pp2", "dp2-pp2-zero1", "pp2-tp2", "dp2-pp2-zero1-loss-scaled", "pp2-tp2-loss-scaled"])
+], ids=["dp2-pp2", "dp2-pp2-zero1", "dp2-pp2-zero2", "pp2-tp2", "dp2-pp2-zero1-loss-scaled", "pp2-tp2-loss-scaled"])
 def test_post_validation_equals_synchronous_clipping(ranks, tmp_path, dp, pp, tp, zero, scaled):
-    checkpoint = str(tmp_path / "ckpt") if zero else None  # ZeRO-1's last update is settled by save_checkpoint
+    checkpoint = str(tmp_path / "ckpt") if zero else None  # ZeRO's last update is settled by save_checkpoint
     results = ranks(dp * pp * tp).run(_check, dp, pp, tp, "zb-h2", zero, scaled, checkpoint, timeout=300)
     for rank, result in enumerate(results):
         assert result["mismatches"] == [], f"rank {rank}"

@@ -101,6 +101,21 @@ def test_ptdp_page_checkpoint_example_reloads_what_it_trained(tmp_path):
         "model.safetensors.index.json"]
 
 
+def test_ptdp_page_zero_stages_example(tmp_path):
+    """The four ZeRO stages train to the same loss; each holds what the page's table says."""
+    (tmp_path / "zero_stages.py").write_text(python_block("ptdp.md", "Save as `zero_stages.py`"))
+    pattern = re.compile(r"zero=(\d) loss ([0-9.]+) bytes param (\d+) grad (\d+) optimizer (\d+)")
+    found = {int(m[0]): (float(m[1]), *map(int, m[2:])) for m in pattern.findall(run(["zero_stages.py"], tmp_path, nproc=2))}
+    page = open(os.path.join(ROOT, "docs", "ptdp.md")).read()
+    documented = {int(m[0]): (float(m[1]), *map(int, m[2:])) for m in pattern.findall(page)}
+    assert sorted(found) == sorted(documented) == [0, 1, 2, 3], (found, documented)
+    for zero, (loss, param, grad, optimizer) in found.items():
+        assert loss == pytest.approx(found[0][0], rel=1e-5) and loss == pytest.approx(documented[zero][0], abs=1e-4)
+        assert (param, grad, optimizer) == documented[zero][1:], (zero, found[zero], documented[zero])
+    full_param, full_grad, full_optimizer = found[0][1:]
+    assert found[1][3] * 2 == full_optimizer and found[2][2] * 2 == full_grad and found[3][1] * 2 == full_param
+
+
 def test_megatron_page_example_matches_megatrons_schedule():
     script = os.path.join(ROOT, "megatron_zb_doc_example.py")  # run from the root: it imports the test shim
     with open(script, "w") as f:

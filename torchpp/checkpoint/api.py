@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torchpp.checkpoint import directory
 from torchpp.checkpoint.chunks import ChunkedTensor
 from torchpp.checkpoint.layout import ModelLike, WholeLayout, as_dtensor, named_parameters, saved_whole, tp_partition
-from torchpp.checkpoint.optimizer import optimizer_entries, optimizer_targets
+from torchpp.checkpoint.optimizer import _unwrap, optimizer_entries, optimizer_targets
 from torchpp.checkpoint.planner import ChunkedLoadPlanner, ChunkedSavePlanner
 from torchpp.checkpoint.rng import capture_rng, restore_rng, rng_key, source_key
 from torchpp.parallel.groups import ParallelState, get_parallel_state
@@ -54,6 +54,13 @@ def _enabled_scaler(grad_scaler, optimizer):
     """The loss scaler to save or load: the one given, else a DistributedOptimizer's own."""
     scaler = grad_scaler if grad_scaler is not None else getattr(optimizer, "grad_scaler", None)
     return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _param_sharding(optimizer):
+    """The ZeRO-3 optimizer whose parameters exist only as shards between steps, else None:
+    saving and loading gather them first (a checkpoint is the same whatever the ZeRO stage)."""
+    inner = _unwrap(optimizer) if optimizer is not None else None
+    return inner if getattr(inner, "shard_params", False) else None
 
 
 def _model_entries(params, state: ParallelState, loading: bool = False):
@@ -111,6 +118,9 @@ def save_checkpoint(
     if getattr(optimizer, "post_validate", False):
         optimizer.flush()  # a speculative update is validated (and redone if need be) before it is saved
     params = named_parameters(model)
+    sharded = _param_sharding(optimizer)
+    if sharded is not None:
+        sharded.gather_all_params()
     entries, _ = _model_entries(params, state)
     chunked: Dict[str, ChunkedTensor] = {}
     if optimizer is not None:
@@ -124,6 +134,8 @@ def save_checkpoint(
     tmp = directory.on_rank0(lambda: directory.prepare(root, step))
     dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkedSavePlanner(chunked))
     dist.barrier()  # every rank's files are complete before the rename makes them the checkpoint
+    if sharded is not None:
+        sharded.release_all_params()
     return directory.on_rank0(lambda: directory.commit(root, step))
 
 
@@ -139,7 +151,7 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Loads a checkpoint into this rank's model part (and optimizer), in place.
 
-    The saving run's (tp, pp, dp) and ZeRO-1 use need not match this one: every tensor is read
+    The saving run's (tp, pp, dp) and ZeRO stage need not match this one: every tensor is read
     as this rank's part of the unsharded tensor. Collective over the world.
 
     Args:
@@ -169,6 +181,9 @@ def load_checkpoint(
     missing = [name for name in params if MODEL_PREFIX + name not in metadata.state_dict_metadata]
     if missing:
         raise KeyError(f"torchpp.checkpoint: {path} has no parameters {missing}")
+    sharded = _param_sharding(optimizer)
+    if sharded is not None:
+        sharded.gather_all_params()  # storage for the loaded values (the gathered ones are overwritten)
     entries, whole = _model_entries(params, state, loading=True)
     chunked: Dict[str, ChunkedTensor] = {}
     targets = None
@@ -189,6 +204,8 @@ def load_checkpoint(
     dcp.load(entries, storage_reader=reader, planner=ChunkedLoadPlanner(chunked))
     for param, full in whole.values():
         param.copy_(WholeLayout(param, state).shard(full))
+    if sharded is not None:
+        sharded.keep_loaded_params()
     if targets is not None:
         targets.plain.update({k: entries[k] for k in targets.plain})  # objects were read into `entries`
         targets.install(optimizer)

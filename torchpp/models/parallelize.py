@@ -28,6 +28,7 @@ from torchpp import tensor_parallel as tp
 from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, user_plans
 from torchpp.models.stages import ModelStage, PipelineLayout, cut_in_place, get_submodule
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel, rank_grid
+from torchpp.parallel.zero_params import zero_stage
 from torchpp.recompute import check_recompute_mode
 from torchpp.tensor_parallel.plan import apply_sequence_parallel, apply_tp_plan, resolve_plan
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
@@ -563,6 +564,7 @@ def parallelize(
     ep: Optional[int] = None,
     capacity_factor: Optional[float] = None,
     expert_tensor_parallel: bool = False,
+    zero: Union[bool, int] = 0,
 ) -> nn.Module:
     """Shards ``model`` in place over tensor- and pipeline-parallel ranks, by plan.
 
@@ -625,11 +627,15 @@ def parallelize(
             share of a rank's routed pairs; dropped pairs per experts module: ``model.ep_dropped``.
         expert_tensor_parallel: with tp > 1 and ep > 1, also split each expert over TP (the TP plan's
             expert entries); default False: whole experts, replicated over TP.
+        zero: the ZeRO stage (0..3; True is 1) that ``DistributedOptimizer(model, ...)`` then
+            applies over dp (``model.zero_stage``); at 3 that optimizer shards the parameters
+            and gathers each bucket before its first forward in a step.
 
     Returns:
         ``model`` itself, parallelized.
     """
     check_recompute_mode(recompute)
+    zero = zero_stage(zero)
     state = _resolve_state(state, tp, pp, cp, ep)
     _ensure_tp_rng(state)
     hf = is_transformers_model(model)
@@ -736,6 +742,9 @@ def parallelize(
         object.__setattr__(model, "context_parallel", context)
     if ep_ctx is not None:
         model.ep_dropped = ep_ctx.dropped
+    model.zero_stage = zero
+    for param in model.parameters():  # DistributedOptimizer(zero=None) reads it from what it is given
+        param.zero_stage = zero
     if not causal_lm:  # not a submodule, even when the loss is an nn.Module
         object.__setattr__(model, "loss_fn", loss_fn)
     if causal_lm and vocab_parallel_logits:

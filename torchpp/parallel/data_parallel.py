@@ -42,6 +42,21 @@ class OverlapStats:
     extra: Dict[str, float] = field(default_factory=dict)
 
 
+def bucket_members(params: List[torch.nn.Parameter], bucket_bytes: int) -> List[List[torch.nn.Parameter]]:
+    """`params` cut, in order, into runs of one dtype and device of about `bucket_bytes` each."""
+    buckets, current, current_bytes = [], [], 0
+    for param in params:
+        same_kind = not current or (param.dtype == current[0].dtype and param.device == current[0].device)
+        if current and (current_bytes >= bucket_bytes or not same_kind):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(param)
+        current_bytes += param.numel() * param.element_size()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 class GradReducer:
     """Averages the gradients of `params` over the data-parallel `group`, bucket by bucket.
 
@@ -90,20 +105,9 @@ class GradReducer:
         self.stats = OverlapStats()
         self.zero_grad()
 
-    @staticmethod
-    def _make_buckets(params, bucket_bytes) -> List[_Bucket]:
-        buckets, current, current_bytes = [], [], 0
-        for param in params:
-            same_kind = not current or (param.dtype == current[0].dtype and param.device == current[0].device)
-            if current and (current_bytes >= bucket_bytes or not same_kind):
-                buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(param)
-            current_bytes += param.numel() * param.element_size()
-        if current:
-            buckets.append(current)
+    def _make_buckets(self, params, bucket_bytes) -> List[_Bucket]:
         made = []
-        for members in buckets:
+        for members in bucket_members(params, bucket_bytes):
             buffer = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
             offset = 0
             for param in members:

@@ -3,13 +3,15 @@
 step() finishes the data-parallel gradient reduction (bucketed all-reduce that started during
 backward, or ZeRO-1's reduce-scatter), unscales fp16 loss-scaled gradients, clips by the global
 norm over dp x pp x tp, runs the wrapped torch.optim optimizer (or, with an inf or NaN on any
-rank, skips it on every rank), and (ZeRO-1) all-gathers the updated parameters. Without a loss
+rank, skips it on every rank), and (ZeRO-1/2) all-gathers the updated parameters. ZeRO-2 and
+ZeRO-3 reduce-scatter each gradient bucket during backward, as soon as it is final; ZeRO-3
+gathers each bucket's parameters before the first forward that uses it. Without a loss
 scaler the global norm is the inf/NaN check (torchpp/parallel/nonfinite.py): consecutive skips
 end in NonFiniteGradientError naming the parameter and rank where the bad value appeared.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,10 @@ from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.groups import ParallelState, get_parallel_state
 from torchpp.parallel.nonfinite import DEFAULT_SKIP_LIMIT, SkipCounter, locate_nonfinite, parameter_names
 from torchpp.parallel.post_validation import BackupBuffers, SpeculativeStep
+from torchpp.parallel.rank_memory import rank_memory_bytes
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
+from torchpp.parallel.zero_grads import ShardedGradReducer
+from torchpp.parallel.zero_params import gather_before_forward, zero_stage
 
 
 class DistributedOptimizer:
@@ -30,14 +35,25 @@ class DistributedOptimizer:
 
     Args:
         params: this rank's parameters (all its pipeline stages), or (name, parameter) pairs
-            such as ``model.named_parameters()``: the non-finite guard's error names them.
+            such as ``model.named_parameters()``: the non-finite guard's error names them; or
+            the model itself (needed by zero=3, which hooks its modules' forwards).
         optimizer_class: e.g. torch.optim.AdamW.
         state: the ParallelState (default: get_parallel_state()).
-        zero: shard the optimizer state over dp (ZeRO-1) instead of all-reducing gradients.
+        zero: the ZeRO stage over dp: 0 (or False) all-reduces gradients; 1 (or True) shards
+            the optimizer state; 2 shards the gradients too (each bucket reduce-scattered as soon
+            as backward finished it, its full gradient freed); 3 shards the parameters too
+            (each bucket gathered before the first forward that uses it in a step, kept for
+            the step's microbatches, released when its gradient is reduce-scattered).
+            With 2 and 3, ``param.grad`` is None after backward: the shards are in the
+            optimizer's param_groups; with 3, the model's parameters have no storage between
+            steps (``gather_params()`` gathers them all, e.g. to evaluate or save).
+            None: the stage given to ``parallelize(model, zero=...)`` (marked on its
+            parameters), else 0.
         max_norm: clip gradients to this global norm (None: no clipping).
         accumulations_per_step: gradient accumulations per parameter per step (the number of
             microbatches), so buckets launch while backward runs.
-        hold: parameters whose gradients change after backward (e.g. tied embeddings).
+        hold: parameters whose gradients change after backward (e.g. tied embeddings); with the
+            model given, parameters used by two of its pipeline stages on this rank are added.
         bucket_bytes: data-parallel bucket size.
         grad_scaler: a torchpp.parallel.GradScaler (fp16): step() unscales the gradients
             before clipping, skips the update on every rank if any rank found an inf or NaN,
@@ -59,6 +75,9 @@ class DistributedOptimizer:
             NonFiniteGradientError on every rank, naming the first parameter and global rank
             whose gradient held the inf or NaN. None: skip without ever raising. (With a
             scaler, skips back the loss scale off and never raise.)
+        reshard_after_forward: zero=3: release each module's parameters after every forward
+            and gather them again for its backward (one gather per module per forward and per
+            backward, instead of one per bucket per step: less memory, more traffic).
         **optimizer_kwargs: passed to optimizer_class (lr, weight_decay, ...).
 
     Call zero_grad() before a step's backward passes and step() after them.
@@ -70,7 +89,7 @@ class DistributedOptimizer:
         optimizer_class: Callable[..., torch.optim.Optimizer],
         state: Optional[ParallelState] = None,
         *,
-        zero: bool = False,
+        zero: Optional[Union[bool, int]] = None,
         max_norm: Optional[float] = None,
         accumulations_per_step: int = 1,
         hold: Iterable[torch.nn.Parameter] = (),
@@ -78,6 +97,7 @@ class DistributedOptimizer:
         grad_scaler: Optional[GradScaler] = None,
         post_validate: bool = False,
         skip_limit: Optional[int] = DEFAULT_SKIP_LIMIT,
+        reshard_after_forward: bool = False,
         **optimizer_kwargs,
     ):
         if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
@@ -88,6 +108,22 @@ class DistributedOptimizer:
         if post_validate and max_norm is None:
             raise ValueError("DistributedOptimizer: post_validate=True validates clipping and needs max_norm")
         self.state = state or get_parallel_state()
+        model = params if isinstance(params, torch.nn.Module) else None
+        if model is not None:
+            params = model.named_parameters()
+        params = list(params)
+        if zero is None:  # parallelize(model, zero=) marks the model and its parameters
+            marked = [getattr(p, "zero_stage", None) for p in (item[-1] if isinstance(item, tuple) else item
+                                                               for item in params)]
+            zero = next((stage for stage in marked if stage is not None), 0)
+        zero = zero_stage(zero)
+        if reshard_after_forward and zero != 3:
+            raise ValueError(f"DistributedOptimizer: reshard_after_forward=True reshards parameters, which only zero=3 "
+                             f"shards; got zero={zero}")
+        if zero == 3 and model is None:
+            raise ValueError("DistributedOptimizer: zero=3 gathers parameters before each module's forward and needs "
+                             "the model: pass it as params (DistributedOptimizer(model, ...)), not its parameters")
+        hold = list(hold) + _shared_by_stages(model)
         named = [item if isinstance(item, tuple) else (None, item) for item in params]
         named = [(name, p) for name, p in named if p.requires_grad]
         self.params = [p for _, p in named]
@@ -100,17 +136,27 @@ class DistributedOptimizer:
         # Expert parameters (expert parallelism) differ over the ep group: their gradients are summed
         # over the ranks holding the same experts only, and averaged over dp like the others.
         experts = [p for p in self.params if getattr(p, "expert_parallel", None) is not None]
+        if experts and zero >= 2:
+            raise NotImplementedError(f"DistributedOptimizer: zero={zero} with expert parallelism is not supported yet "
+                                      f"(expert parameters are sharded under zero=1 only)")
         self.expert_reducer = None
         if experts and not zero:
             self.expert_reducer = GradReducer(experts, self.state.expert_dp_group, bucket_bytes, accumulations_per_step,
                                               hold, average_over=self.state.dp)
         dense = [p for p in self.params if getattr(p, "expert_parallel", None) is None]
-        if zero:
+        if zero == 1:
             self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, reduce_group,
                                                      average_over=self.state.dp,
                                                      expert_dp_group=self.state.expert_dp_group if experts else None,
                                                      **optimizer_kwargs)
             self.reducer = None
+        elif zero >= 2:
+            self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, reduce_group,
+                                                     average_over=self.state.dp, bucket_bytes=bucket_bytes,
+                                                     shard_params=zero == 3, **optimizer_kwargs)
+            self.reducer = ShardedGradReducer(self.optimizer, accumulations_per_step, hold)
+            if zero == 3:
+                self._gather_hooks = gather_before_forward(model, self.optimizer, reshard_after_forward)
         else:
             self.optimizer = optimizer_class(self.params, **optimizer_kwargs)
             self.reducer = GradReducer(dense, reduce_group, bucket_bytes, accumulations_per_step, hold,
@@ -155,15 +201,26 @@ class DistributedOptimizer:
         return locate_nonfinite(pairs, self._names, [group, dp_group], norm)
 
     def zero_grad(self) -> None:
-        (self.optimizer if self.zero else self.reducer).zero_grad()
+        (self.reducer if self.reducer is not None else self.optimizer).zero_grad()
         if self.expert_reducer is not None:
             self.expert_reducer.zero_grad()
+
+    def gather_params(self) -> None:
+        """ZeRO-3: gathers all of this rank's parameters (collective over dp); the next step
+        releases them again. No-op for the other stages."""
+        if self.zero == 3:
+            self.optimizer.gather_all_params()
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds now for parameters, gradients (full and sharded) and optimizer
+        state, each storage counted once."""
+        return rank_memory_bytes(self.params, self.optimizer if self.zero else None, self._torch_optimizer)
 
     def step(self) -> Optional[torch.Tensor]:
         """Reduces gradients over dp, unscales, clips, updates; returns the global gradient norm
         (with a grad scaler, only when clipping). A norm that is not finite means the update was
         skipped on every rank (see last_step_skipped and skip_limit)."""
-        if self.zero:
+        if self.reducer is None:
             self.optimizer.reduce_scatter_grads()
         else:
             self.reducer.finish()
@@ -259,3 +316,17 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state_dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+
+def _shared_by_stages(model) -> list:
+    """Parameters that two of this rank's pipeline stages use (a tied embedding when one rank
+    holds both the first and the last stage, as under zb-v): accumulated once per microbatch in
+    each stage, so counting cannot tell when they are final; they wait for step()."""
+    stages = getattr(model, "pipeline_stages", None) or []
+    seen, shared = set(), []
+    for stage in stages:
+        for param in {id(p): p for p in stage.parameters()}.values():
+            if id(param) in seen:
+                shared.append(param)
+            seen.add(id(param))
+    return shared

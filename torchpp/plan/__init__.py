@@ -7,7 +7,7 @@
 
 ``python -m torchpp.plan --help`` runs the planner from the command line.
 """
-from torchpp.plan.memory import layer_activation_bytes, model_state_bytes, rank_activation_bytes
+from torchpp.plan.memory import layer_activation_bytes, model_state_bytes, rank_activation_bytes, zero_traffic_bytes
 from torchpp.plan.model_config import PRESETS, ModelConfig, load_model_config
 from torchpp.plan.partition import Partition, partition
 from torchpp.plan.planner import Candidate, Cluster, Layout, Plan, PlanError, Training, evaluate, plan
@@ -19,5 +19,5 @@ __all__ = [
     "Candidate", "Cluster", "LayerProfile", "Layout", "ModelConfig", "PRESETS", "Partition", "Plan", "PlanError",
     "Profile", "SavedActivationMeter", "Training", "evaluate", "layer_activation_bytes", "load_model_config",
     "model_state_bytes", "partition", "peak_inflight", "plan", "profile", "rank_activation_bytes",
-    "simulate_schedule",
+    "simulate_schedule", "zero_traffic_bytes",
 ]

@@ -6,7 +6,10 @@ parallelism (34 sbh + 5 as^2 b at E = 2; the 2 sbh and a s^2 b are 1-byte dropou
 """
 from __future__ import annotations
 
+from typing import Optional
+
 RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def layer_activation_bytes(
@@ -62,13 +65,56 @@ def model_state_bytes(
     weight_bytes: float = 2,
     grad_bytes: float = 2,
     optimizer_bytes: float = 12,
+    *,
+    zero: Optional[int] = None,
+    accumulating: bool = True,
+    gathered_parameters: float = 0.0,
 ) -> float:
-    """Weights + gradients + optimizer state per rank; ZeRO-1 shards the optimizer over dp.
+    """Weights + gradients + optimizer state per rank at the step's peak, by ZeRO stage.
 
     Defaults are Adam in mixed precision (SPEC section 4): 2 + 2 + 12 (fp32 master, m, v).
+    Stage 1 (or ``zero1``) shards the optimizer state over dp. Stage 2 shards the gradients
+    too, but a bucket's full gradient lives from its first accumulation of the step to its
+    reduce-scatter after the last: with gradient accumulation over microbatches
+    (``accumulating``, always under a pipeline) every bucket is full at the peak; without,
+    only the shards and the buckets backward is filling (``gathered_parameters``' worth, about
+    one layer). Stage 3 (torchpp's ZeRO-3 with reshard_after_forward) shards the weights too,
+    holding in full only the module being run (``gathered_parameters``).
+
+    Args:
+        num_parameters: the rank's unsharded (TP-local) parameters.
+        zero: the ZeRO stage 0..3 (default: 1 if zero1 else 0).
+        accumulating: several microbatches accumulate into one step's gradients.
+        gathered_parameters: parameters held in full at once besides the shards (one layer's).
     """
-    optimizer = optimizer_bytes / dp if zero1 else optimizer_bytes
-    return num_parameters * (weight_bytes + grad_bytes + optimizer)
+    stage = (1 if zero1 else 0) if zero is None else zero
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
+    optimizer = optimizer_bytes / dp if stage >= 1 else optimizer_bytes
+    grads = num_parameters * grad_bytes
+    if stage >= 2 and not accumulating:
+        grads = num_parameters * grad_bytes / dp + gathered_parameters * grad_bytes
+    weights = num_parameters * weight_bytes
+    if stage == 3:
+        weights = num_parameters * weight_bytes / dp + gathered_parameters * weight_bytes
+    return weights + grads + num_parameters * optimizer
+
+
+def zero_traffic_bytes(stage: int, num_parameters: float, dp: int, num_microbatches: int, grad_bytes: float = 2,
+                       weight_bytes: float = 2) -> float:
+    """Bytes each rank sends over dp per step for the gradients and parameters (ring collectives).
+
+    Stages 0-2 move one all-reduce's worth (stage 0 all-reduces the gradients; 1 and 2
+    reduce-scatter them and all-gather the updated weights: the same volume). Stage 3 with
+    reshard_after_forward reduce-scatters the gradients and all-gathers every weight twice per
+    microbatch (its forward and its backward): the traffic that re-gathering multiplies.
+    """
+    if dp <= 1:
+        return 0.0
+    ring = (dp - 1) / dp
+    if stage == 3:
+        return ring * num_parameters * (grad_bytes + 2 * num_microbatches * weight_bytes)
+    return 2 * ring * num_parameters * grad_bytes
 
 
 def rank_activation_bytes(peak_inflight: float, layers_per_stage: float, per_layer_bytes: float) -> float:

@@ -1,10 +1,11 @@
-"""Planner: enumerate (tp, pp, cp, dp, microbatch, v, schedule, recompute, ZeRO-1), drop what
-does not fit in memory, rank the rest by simulated step time.
+"""Planner: enumerate (tp, pp, cp, dp, microbatch, v, schedule, recompute, ZeRO stage), drop
+what does not fit in memory, rank the rest by simulated step time.
 
 Compute costs come from FLOPs at a stated efficiency (SPEC section 3 per-layer F, I, W), TP and
 DP from ring all-reduce volumes, PP sends from b*s*h/t per boundary (scatter/gather), all over
 the link each group actually uses (intra-node when the group fits in a node). The pipeline part
-of a step is the schedule simulator's makespan; DP gradient reduction is added, not overlapped.
+of a step is the schedule simulator's makespan; DP gradient reduction (and ZeRO-3's parameter
+gathers) is added, not overlapped.
 Context parallelism (cp) gives each rank s/c tokens of every sequence: activations, compute and
 stage-boundary sends fall by c; each layer passes key/value shards around the cp ring (forward
 once, backward with their gradients twice), hidden behind the attention blocks' compute where
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchpp.plan.memory import RECOMPUTE, layer_activation_bytes, model_state_bytes
+from torchpp.plan.memory import RECOMPUTE, ZERO_STAGES, layer_activation_bytes, model_state_bytes, zero_traffic_bytes
 from torchpp.plan.model_config import ModelConfig
 from torchpp.plan.schedule_sim import simulate_schedule
 
@@ -46,7 +47,7 @@ class Training:
         ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-v", 2),
         ("interleaved-zb", 2), ("interleaved-zb", 4))
     recompute: tuple[str, ...] = RECOMPUTE
-    zero1: tuple[bool, ...] = (False, True)
+    zero: tuple[int, ...] = ZERO_STAGES  # ZeRO stages to try when dp x cp > 1
     # cp sizes to try (each dividing s into 2c chunks); None: 1, 2, 4, 8 while each rank keeps at
     # least MIN_CP_SHARD tokens (shorter shards leave the ring's transfers too little compute to hide behind).
     context_parallel: tuple[int, ...] | None = None
@@ -54,7 +55,7 @@ class Training:
     # Model state per parameter (SPEC section 4): 16-bit weights and grads, fp32 master + Adam m, v.
     weight_bytes: float = 2
     grad_bytes: float = 2
-    optimizer_bytes: float = 12  # what ZeRO-1 shards
+    optimizer_bytes: float = 12  # what ZeRO-1 shards (ZeRO-2 adds the gradients, ZeRO-3 the weights)
     # Megatron-2 waits for each stage-boundary exchange (batch_isend_irecv + wait) before computing
     # on: the transfer adds to the stage's time. False: the simulator overlaps it (torchpp's runtime).
     blocking_p2p: bool = False
@@ -66,7 +67,7 @@ class Training:
         and grads (2 + 2), fp32 master weights, Adam m and v and an fp32 copy of the grads
         (4 x 4): 20 bytes per parameter (Megatron-core's distributed-optimizer table)."""
         return cls(global_batch, seq_len, schedules=(("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)),
-                   recompute=("full",), zero1=(False,), context_parallel=(1,), sequence_parallel=False,
+                   recompute=("full",), zero=(0,), context_parallel=(1,), sequence_parallel=False,
                    optimizer_bytes=16,
                    blocking_p2p=True)
 
@@ -90,8 +91,13 @@ class Layout:
     chunks: int
     schedule: str
     recompute: str
-    zero1: bool
+    zero: int  # ZeRO stage over dp x cp
     cp: int = 1
+
+    @property
+    def zero1(self) -> bool:
+        """The optimizer state is sharded (ZeRO stage 1 or more)."""
+        return self.zero >= 1
 
 
 @dataclass(frozen=True)
@@ -195,8 +201,8 @@ def _batch_layouts(model: ModelConfig, cluster: Cluster, training: Training, tp:
             if model.num_layers % (pp * v):
                 continue
             for recompute in training.recompute:
-                for zero1 in (training.zero1 if dp * cp > 1 else (False,)):
-                    yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero1, cp)
+                for zero in (training.zero if dp * cp > 1 else (0,)):
+                    yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero, cp)
 
 
 def _allreduce_seconds(nbytes: float, group: int, bandwidth: float) -> float:
@@ -265,8 +271,10 @@ def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: L
         makespan, bubble, peaks = run.makespan, run.bubble_ratio, run.peak_activations
 
     params_per_rank = _parameters_per_rank(model, p, v, layout.schedule)
-    grad_bytes = max(params_per_rank) / t * e
-    dp_sync = _allreduce_seconds(grad_bytes, d * c, _link(cluster, t * c * d))
+    # ZeRO-1/2 move one all-reduce's worth (reduce-scatter + all-gather); ZeRO-3 re-gathers weights.
+    zero_bytes = zero_traffic_bytes(layout.zero, max(params_per_rank) / t, d * c, layout.num_microbatches,
+                                    training.grad_bytes, training.weight_bytes)
+    dp_sync = zero_bytes / _link(cluster, t * c * d) if d * c > 1 else 0.0
 
     sp = training.sequence_parallel and t > 1
     act_layer = layer_activation_bytes(s, b, h, model.heads, t, sequence_parallel=sp, recompute=layout.recompute,
@@ -278,9 +286,11 @@ def evaluate(model: ModelConfig, cluster: Cluster, training: Training, layout: L
     last_rank = 0 if layout.schedule in ("zb-v", "dualpipe-v") else p - 1
     memory = []
     for rank in range(p):
-        state = model_state_bytes(params_per_rank[rank] / t, dp=d * c, zero1=layout.zero1,
+        state = model_state_bytes(params_per_rank[rank] / t, dp=d * c, zero=layout.zero,
                                   weight_bytes=training.weight_bytes,
-                                  grad_bytes=training.grad_bytes, optimizer_bytes=training.optimizer_bytes)
+                                  grad_bytes=training.grad_bytes, optimizer_bytes=training.optimizer_bytes,
+                                  accumulating=layout.num_microbatches > 1,
+                                  gathered_parameters=model.layer_parameters / t)
         activations = (peaks[rank] * layers_per_stage * act_layer + working
                        + (logits if rank == last_rank else 0.0))
         memory.append(state + activations)
@@ -332,4 +342,4 @@ def _describe(layout: Layout) -> str:
     return (f"tp={layout.tp} pp={layout.pp}{f' cp={layout.cp}' if layout.cp > 1 else ''} dp={layout.dp} "
             f"b={layout.micro_batch} {layout.schedule}"
             f"{f' v={layout.chunks}' if layout.chunks > 1 else ''} recompute={layout.recompute}"
-            f"{' zero1' if layout.zero1 else ''}")
+            f"{f' zero{layout.zero}' if layout.zero else ''}")

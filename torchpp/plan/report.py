@@ -7,7 +7,7 @@ from torchpp.plan.planner import Candidate, Plan
 def _row(rank: int, c: Candidate, tokens: float) -> str:
     lay = c.layout
     return (f"{rank:>3} {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.dp:>3} {lay.micro_batch:>3} {lay.num_microbatches:>5} "
-            f"{lay.chunks:>2} {lay.schedule:<17} {lay.recompute:<9} {'yes' if lay.zero1 else 'no':<5} "
+            f"{lay.chunks:>2} {lay.schedule:<17} {lay.recompute:<9} {lay.zero:<5} "
             f"{c.step_time:>9.3f} {100 * c.bubble_ratio:>7.2f} {c.memory_per_gpu / 1e9:>8.1f} {tokens / c.step_time:>12.0f}")
 
 
@@ -15,7 +15,7 @@ def format_plan(result: Plan, top: int = 10) -> str:
     """The table of the `top` candidates, then the reasons the first beats the others."""
     tokens = result.training.global_batch * result.training.seq_len
     header = (f"{'#':>3} {'tp':>3} {'pp':>3} {'cp':>3} {'dp':>3} {'b':>3} {'m':>5} {'v':>2} {'schedule':<17} "
-              f"{'recompute':<9} {'zero1':<5} {'step (s)':>9} {'bubble%':>7} {'mem (GB)':>8} {'tokens/s':>12}")
+              f"{'recompute':<9} {'zero':<5} {'step (s)':>9} {'bubble%':>7} {'mem (GB)':>8} {'tokens/s':>12}")
     lines = [f"{result.model.name}: {result.model.num_parameters / 1e9:.2f}B parameters on {result.cluster.num_gpus} GPUs "
              f"({result.cluster.gpu_memory / 1e9:.0f} GB, {result.cluster.gpus_per_node} per node), global batch "
              f"{result.training.global_batch} x {result.training.seq_len} tokens; compute at "
