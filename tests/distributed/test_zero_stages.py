@@ -58,11 +58,11 @@ def _check_bytes(what, memory, local_numel, buckets, dp, zero):
 
 
 def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, reshard_after_forward=False,
-               scaled=False, **wrap):
+               scaled=False, every_microbatch=False, **wrap):
     state = torchpp.init_parallel(tp=tp, pp=pp, dp=2)
     model = tiny_model(kind, kv_heads=kv_heads).double()
     what = (f"{kind} dp=2 tp={tp} pp={pp} {schedule} zero={zero} reshard_after_forward={reshard_after_forward} "
-            f"scaled={scaled} {wrap}")
+            f"scaled={scaled} every_microbatch={every_microbatch} {wrap}")
     # A loss scale of 2^16 is exact in fp64: scaled and unscaled, the gradients are the same.
     scaler = GradScaler("cpu") if scaled else None
     reference, reference_norms = _reference(copy.deepcopy(model))
@@ -71,7 +71,8 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, res
     hold = [wrapped.tied_weight] if wrapped.tied_weight is not None else []
     optimizer = DistributedOptimizer(wrapped, torch.optim.AdamW, state, zero=zero, max_norm=MAX_NORM,
                                      accumulations_per_step=microbatches // (2 if schedule == "dualpipe" else 1), hold=hold, bucket_bytes=BUCKET_BYTES, lr=LR,
-                                     reshard_after_forward=reshard_after_forward, grad_scaler=scaler)
+                                     reshard_after_forward=reshard_after_forward, grad_scaler=scaler,
+                                     reduce_every_microbatch=every_microbatch)
     local_numel = sum(p.numel() for p in optimizer.params)
     buckets = len(optimizer.optimizer.flat_groups)
     ids = _ids(model.config.vocab_size)
@@ -79,7 +80,7 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, res
     losses, norms = [], []
     for _ in range(STEPS):
         optimizer.zero_grad()
-        gathers = optimizer.optimizer.gathers
+        gathers, rounds = optimizer.optimizer.gathers, optimizer.reducer.rounds
         optimizer.optimizer.gathered_buckets.peak = 0
         loss = wrapped.step(rows if wrapped.has_first_stage else None, labels=rows if wrapped.has_last_stage else None)
         if microbatches == 1:  # no accumulation: after backward, the shards and one bucket still in flight
@@ -90,6 +91,8 @@ def check_zero(kind, schedule, zero, tp=1, pp=1, microbatches=1, kv_heads=2, res
                 f"{what}: {optimizer.memory_bytes()['grad']} gradient bytes after backward; shards {shards}, "
                 f"largest bucket {in_flight}")
         norms.append(optimizer.step())
+        if every_microbatch:  # buckets were reduced and freed before their last microbatch
+            assert optimizer.reducer.rounds > rounds, f"{what}: no bucket was reduce-scattered before its last microbatch"
         assert all(p.grad is None for p in optimizer.params), f"{what}: a full gradient outlived its reduce-scatter"
         peak = optimizer.optimizer.gathered_buckets.peak
         if zero == 3 and reshard_after_forward:  # gathered again for later microbatches and for backward
@@ -211,6 +214,8 @@ def check_pp1():
 def check_pp2():
     return (all(check_zero("gpt2", schedule, zero, pp=2, microbatches=4) for schedule in ("1f1b", "zb-h1")
                 for zero in (2, 3))
+            # only the shard kept across microbatches too (a reduce-scatter per bucket per microbatch)
+            and all(check_zero("gpt2", "zb-h1", zero, pp=2, microbatches=4, every_microbatch=True) for zero in (2, 3))
             and check_zero("gpt2", "zb-h1", 3, pp=2, microbatches=4, reshard_after_forward=True)
             # each rank holds two stages, each stage is on two ranks, the tied pair on both ends
             and check_zero("gpt2", "dualpipe", 3, pp=2, microbatches=4)

@@ -78,6 +78,10 @@ class DistributedOptimizer:
         reshard_after_forward: zero=3: release each module's parameters after every forward
             and gather them again for its backward (one gather per module per forward and per
             backward, instead of one per bucket per step: less memory, more traffic).
+        reduce_every_microbatch: zero=2|3 under gradient accumulation (microbatches): reduce-
+            scatter a bucket whenever each of its parameters has a gradient since its last
+            reduction, keeping only the shard across microbatches too (one reduce-scatter per
+            bucket per microbatch instead of per step; see torchpp/parallel/zero_grads.py).
         **optimizer_kwargs: passed to optimizer_class (lr, weight_decay, ...).
 
     Call zero_grad() before a step's backward passes and step() after them.
@@ -98,6 +102,7 @@ class DistributedOptimizer:
         post_validate: bool = False,
         skip_limit: Optional[int] = DEFAULT_SKIP_LIMIT,
         reshard_after_forward: bool = False,
+        reduce_every_microbatch: bool = False,
         **optimizer_kwargs,
     ):
         if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
@@ -120,6 +125,9 @@ class DistributedOptimizer:
         if reshard_after_forward and zero != 3:
             raise ValueError(f"DistributedOptimizer: reshard_after_forward=True reshards parameters, which only zero=3 "
                              f"shards; got zero={zero}")
+        if reduce_every_microbatch and zero < 2:
+            raise ValueError(f"DistributedOptimizer: reduce_every_microbatch=True reduce-scatters gradient shards, "
+                             f"which zero=2 and zero=3 keep; got zero={zero}")
         if zero == 3 and model is None:
             raise ValueError("DistributedOptimizer: zero=3 gathers parameters before each module's forward and needs "
                              "the model: pass it as params (DistributedOptimizer(model, ...)), not its parameters")
@@ -154,7 +162,8 @@ class DistributedOptimizer:
             self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class, reduce_group,
                                                      average_over=self.state.dp, bucket_bytes=bucket_bytes,
                                                      shard_params=zero == 3, **optimizer_kwargs)
-            self.reducer = ShardedGradReducer(self.optimizer, accumulations_per_step, hold)
+            self.reducer = ShardedGradReducer(self.optimizer, accumulations_per_step, hold,
+                                              every_microbatch=reduce_every_microbatch)
             if zero == 3:
                 self._gather_hooks = gather_before_forward(model, self.optimizer, reshard_after_forward)
         else:

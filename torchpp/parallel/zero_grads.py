@@ -8,6 +8,14 @@ buckets that backward is filling exist in full.
 last of ``accumulations_per_step`` accumulations, which under zero-bubble schedules is the W
 pass that delivers a deferred weight gradient. Under ZeRO-3 the bucket's full parameters are
 released at the same moment: nothing in the rest of the step's backward reads them.
+
+``every_microbatch`` (DeepSpeed's stage-2 behaviour) keeps only the shard across microbatches
+too: whenever every parameter of a bucket has received a gradient since the bucket was last
+reduced, its full gradient is reduce-scattered into a running shard sum and freed, so under
+gradient accumulation (every pipeline) a rank holds the shards plus the buckets backward is
+filling, at the cost of one reduce-scatter per bucket per microbatch instead of per step.
+Those rounds wait for their reduce-scatter at once (the next microbatch accumulates into the
+same buffer), so only the last round overlaps backward.
 """
 from __future__ import annotations
 
@@ -33,8 +41,10 @@ class ShardedGradReducer(GradReducer):
     """
 
     def __init__(self, optimizer: ZeroRedundancyOptimizer, accumulations_per_step: int = 1,
-                 hold: Iterable[torch.nn.Parameter] = ()):
+                 hold: Iterable[torch.nn.Parameter] = (), every_microbatch: bool = False):
         self.zero_optimizer = optimizer
+        self.every_microbatch = every_microbatch
+        self.rounds = 0  # microbatch rounds reduce-scattered before their bucket's last one
         self._in_flight: List[_Bucket] = []  # launched, not yet waited for
         params = [p for flat in reversed(optimizer.flat_groups) for p in reversed(flat.params)]
         super().__init__(params, optimizer.dp_group, 0, accumulations_per_step, hold,
@@ -46,6 +56,8 @@ class ShardedGradReducer(GradReducer):
         for flat in self.zero_optimizer.flat_groups:
             bucket = _Bucket(flat.params, flat.flat_grad)
             bucket.flat = flat
+            bucket.untouched = {id(p) for p in flat.params}  # every_microbatch: not accumulated since the last round
+            bucket.rounds_sum = None  # every_microbatch: the shard of the rounds reduced so far
             buckets.append(bucket)
         return buckets
 
@@ -81,6 +93,9 @@ class ShardedGradReducer(GradReducer):
         bucket.work = None
         self._in_flight = [b for b in self._in_flight if b is not bucket]
         flat = bucket.flat
+        if bucket.rounds_sum is not None:  # every_microbatch: the earlier rounds' part of the sum
+            flat.grad_shard.add_(bucket.rounds_sum)
+            bucket.rounds_sum = None
         flat.grad_shard.div_(self.average_over)
         flat.flat_grad.untyped_storage().resize_(0)  # only the shard is kept
         for param in flat.params:
@@ -95,6 +110,29 @@ class ShardedGradReducer(GradReducer):
         if len(self._in_flight) > len(earlier):
             for bucket in earlier:
                 self.wait_bucket(bucket)
+        if self.every_microbatch:
+            self._round_ready(param)
+
+    @torch.no_grad()
+    def _round_ready(self, param: torch.Tensor) -> None:
+        """every_microbatch: reduces a bucket every parameter of which has a gradient since its
+        last round (held buckets wait for finish(); the last round is the step's own launch)."""
+        key = id(param)
+        bucket = self._bucket_of.get(key)
+        if bucket is None or key in self._held or bucket.work is not None or bucket.launched_early:
+            return
+        bucket.untouched.discard(key)
+        if bucket.untouched or any(id(p) in self._held for p in bucket.params):
+            return
+        flat = bucket.flat
+        part = torch.empty_like(flat.grad_shard)
+        dist.reduce_scatter_single(part, flat.flat_grad, group=self.group)
+        bucket.rounds_sum = part if bucket.rounds_sum is None else bucket.rounds_sum.add_(part)
+        flat.flat_grad.untyped_storage().resize_(0)  # the next accumulation allocates it again
+        for p in flat.params:
+            p.grad = None
+        bucket.untouched = {id(p) for p in flat.params}
+        self.rounds += 1
 
     def finish(self):
         stats = super().finish()
@@ -117,6 +155,8 @@ class ShardedGradReducer(GradReducer):
             for param in flat.params:
                 param.grad = None
             flat.grad_shard.zero_()
+            bucket.rounds_sum = None
+            bucket.untouched = {id(p) for p in flat.params}
             bucket.pending = len(bucket.params)
             bucket.launched_early = False
         self._counts = {id(p): 0 for b in self.buckets for p in b.params}
