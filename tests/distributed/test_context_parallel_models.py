@@ -58,6 +58,8 @@ def check_errors():
         parallelize(tiny_model("llama"), state=state, cp_mode="tree")
     with pytest.raises(ValueError, match="needs attention_dropout=0"):
         parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
+    with pytest.raises(NotImplementedError, match="load-balancing loss .* not supported with cp=2"):
+        parallelize(tiny_model("mixtral", output_router_logits=True), state=state)
     with pytest.raises(NotImplementedError, match="sliding window"):
         parallelize(tiny_model("mistral"), state=state)(input_ids=ids)
     with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2, ep=1\)"):

@@ -37,7 +37,15 @@ def check_ep_errors():
     from torchpp.tensor_parallel.styles import PlanError
     from torchpp.testing.tiny_models import tiny_model
 
+    import torch
+
     state = torchpp.init_parallel(ep=2)
+    # The aux loss over both ranks' rows: a mask without padding is dropped, padding is refused.
+    moe = parallelize(tiny_model("mixtral", output_router_logits=True), state=state, ep=2)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    assert moe(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).aux_loss is not None
+    with pytest.raises(NotImplementedError, match="weight them by this rank's padding mask alone"):
+        moe(input_ids=ids, attention_mask=torch.tensor([[1] * 8, [0] * 2 + [1] * 6]), use_cache=False)
     with pytest.raises(PlanError, match="has no base_model_ep_plan"):
         parallelize(tiny_model("llama"), state=state, ep=2)
     with pytest.raises(PlanError, match="holds 3 experts, which ep=2 does not divide"):
@@ -121,6 +129,9 @@ def check_aux_loss_under_pp_raises():
     state = torchpp.init_parallel(pp=2, ep=2)
     with pytest.raises(NotImplementedError, match=r"output_router_logits=True .* \(pp=2\) is not supported"):
         parallelize(tiny_model("mixtral", output_router_logits=True), state=state, ep=2, schedule="zb-h1")
+    state = torchpp.init_parallel(pp=2)  # without expert parallelism too: never silently dropped
+    with pytest.raises(NotImplementedError, match=r"output_router_logits=True .* \(pp=2\) is not supported"):
+        parallelize(tiny_model("mixtral", output_router_logits=True), state=state, schedule="zb-h1")
     return True
 
 

@@ -52,8 +52,27 @@ def gather_router_logits(model: nn.Module, group: dist.ProcessGroup) -> List[obj
             return output[:index] + (gathered,) + output[index + 1:]
         return gathered
 
-    handles = []
+    handles = [model.register_forward_pre_hook(_whole_rows_only(model, group.size()), with_kwargs=True)]
     for name, module in model.named_modules():
         if (target is not None and isinstance(module, target)) or (layer_name and name.endswith(layer_name)):
             handles.append(module.register_forward_hook(hook, prepend=True))
     return handles
+
+
+def _whole_rows_only(model: nn.Module, ranks: int):
+    """A forward pre-hook: transformers weights the load-balancing loss by the attention mask of
+    this rank's rows, which the gathered logits outgrow. A mask without padding changes nothing
+    and is dropped; padding is refused with the reason."""
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        config = getattr(model, "config", None)
+        recording = kwargs.get("output_router_logits", getattr(config, "output_router_logits", False))
+        if mask is None or not recording:
+            return None
+        if bool(mask.bool().all()):
+            return args, {**kwargs, "attention_mask": None}
+        raise NotImplementedError(
+            f"torchpp: the load-balancing loss over {ranks} data-parallel ranks gathers every rank's router logits, "
+            f"and transformers would weight them by this rank's padding mask alone; pack the rows without padding "
+            f"(attention_mask all ones, or None)")
+    return hook

@@ -38,11 +38,6 @@ def expert_plans(model: nn.Module, state, tp_plan: Mapping[str, str], expert_ten
         raise ValueError(f"torchpp.parallelize: capacity_factor={capacity_factor} applies to expert parallelism; "
                          f"the parallel state has ep=1")
     ep_plan = hf_ep_plan(model)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if state.pp > 1 and getattr(config, "output_router_logits", False):
-        raise NotImplementedError("torchpp.parallelize: output_router_logits=True (the load-balancing loss) under a "
-                                  f"pipeline (pp={state.pp}) is not supported: transformers adds it in the causal LM's "
-                                  f"forward, which a pipeline does not run whole; set it False with pp > 1")
     if not any(style == "ep_dispatch_experts" for style in resolve_plan(model, ep_plan, False).values()):
         raise PlanError(f"torchpp.parallelize: ep={state.ep}, but the expert-parallel plan {ep_plan} matches no "
                         f"experts module of {type(model).__name__}")

@@ -132,6 +132,17 @@ def _end_ranks_group(state: ParallelState, first_rank: int, last_rank: int) -> O
     return mine
 
 
+def _check_aux_loss(state: ParallelState) -> None:
+    """The MoE load-balancing loss (output_router_logits=True) where torchpp can keep it exact."""
+    if state.pp > 1:
+        raise NotImplementedError("torchpp.parallelize: output_router_logits=True (the load-balancing loss) under a "
+                                  f"pipeline (pp={state.pp}) is not supported: transformers adds it in the causal LM's "
+                                  f"forward, which a pipeline does not run whole; set it False with pp > 1")
+    if state.cp > 1:  # transformers adds it to each cp rank's loss, which the cp sum would count c times
+        raise NotImplementedError(f"torchpp.parallelize: the MoE load-balancing loss (output_router_logits=True) "
+                                  f"is not supported with cp={state.cp}")
+
+
 def _config(model: nn.Module):
     config = getattr(model, "config", None)
     return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
@@ -651,6 +662,8 @@ def parallelize(
         raise PlanError(f"torchpp.parallelize: {type(model).__name__} is not a transformers model; pass plan= (a dict "
                         f"of module-name globs to styles, e.g. {{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}})")
     causal_lm = hf and model.get_output_embeddings() is not None
+    if getattr(_config(model), "output_router_logits", False):  # before anything changes
+        _check_aux_loss(state)
     if state.cp > 1 and not causal_lm:
         raise PlanError(f"torchpp.parallelize: cp={state.cp} shards the sequence of a transformers causal LM; "
                         f"{type(model).__name__} is not one (use torchpp.context_parallel's ops in your own model)")
@@ -707,10 +720,6 @@ def parallelize(
     if state.cp > 1:
         from torchpp.context_parallel.hf import ContextParallel, apply_context_parallel
 
-        if getattr(_config(model), "output_router_logits", False):
-            # transformers adds it to each cp rank's loss, which the cp sum would then count c times.
-            raise NotImplementedError(f"torchpp.parallelize: the MoE load-balancing loss (output_router_logits=True) "
-                                      f"is not supported with cp={state.cp}")
 
         context = ContextParallel(state.cp_group, cp_mode, cp_layout)
         apply_context_parallel(model, context, recompute_core=recompute == "selective")
