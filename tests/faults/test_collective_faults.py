@@ -32,6 +32,8 @@ def _ops_taking_a_group():
 
 
 _QKV = (torch.ones(1, 2, 4, 4), torch.ones(1, 2, 4, 4), torch.ones(1, 2, 4, 4))
+# order, send_counts, recv_counts: every pair to expert 0 (rank 0's).
+_ROUTING = (torch.arange(8), torch.tensor([8, 0, 0, 0]), torch.tensor([[8, 0], [0, 0]]))
 # How to call each op with the unknown group: (args before the name, args after it).
 UNKNOWN_GROUP_CALLS = {
     "copy_to_tp_region": ((torch.ones(4, 8),), ()),
@@ -51,6 +53,13 @@ UNKNOWN_GROUP_CALLS = {
     "ring_attention_backward": ((_QKV[0], *_QKV, _QKV[0], torch.zeros(1, 2, 4), None), (2, True, None, "zigzag")),
     "all_gather_attention_backward": ((_QKV[0], *_QKV, _QKV[0], torch.zeros(1, 2, 4), None),
                                       (2, True, None, "zigzag")),
+    # Expert-parallel routing of 4 tokens x 2 slots over 4 experts (and the exchange's halves).
+    "moe_route": ((torch.zeros(4, 2, dtype=torch.long), 4), (2,)),
+    "moe_dispatch": ((torch.ones(4, 8), *_ROUTING, 2), (2,)),
+    "moe_combine": ((torch.ones(8, 8), torch.ones(4, 2), *_ROUTING, 4), (2,)),
+    "moe_undispatch": ((torch.ones(8, 8), *_ROUTING, 2, 4), (2,)),
+    "moe_combine_forward": ((torch.ones(8, 8), torch.ones(4, 2), *_ROUTING, 4), (2,)),
+    "moe_combine_backward": ((torch.ones(4, 8), torch.ones(8, 8), torch.ones(4, 2), *_ROUTING), (2,)),
 }
 
 
