@@ -1,6 +1,7 @@
 """parallelize(model, cp=): transformers causal LMs with the sequence split over context-parallel
 ranks, each cp group given its batch whole. Llama and Qwen2 at cp=2, cp=2 x tp=2 (Qwen2 with
-sequence parallelism), cp=2 x pp=2 (zb-h1) and Llama at cp=2 x dp=2; both attention modes and
+sequence parallelism), cp=2 x pp=2 (zb-h1) and Llama at cp=2 x dp=2 (also under ZeRO-2 and
+ZeRO-3, sharded over dp x cp); both attention modes and
 layouts, packed sequences (position ids restarting) and selective recompute. Each equals the
 unwrapped model in float64: loss, logits (gathered over cp), every gradient after
 DistributedOptimizer's reduction over the dp-cp group, and one SGD step
@@ -41,6 +42,8 @@ def check_cp_with(dim: str, model_type: str):
         return check_cp(model_type, tp=2, sequence_parallel=model_type == "qwen2")
     if dim == "dp":
         return check_cp(model_type, dp=2, packed=True)
+    if dim == "zero":  # gradients reduce-scattered (ZeRO-2), parameters sharded too (ZeRO-3) over dp x cp
+        return [check_cp(model_type, dp=2, zero=zero) for zero in (2, 3)]
     return check_cp(model_type, pp=2, schedule="zb-h1", n_microbatches=2, packed=model_type == "qwen2")
 
 
@@ -78,10 +81,10 @@ def test_cp2_more_families_packed(ranks):
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),
-                                            ("dp", "llama")])
+                                            ("dp", "llama"), ("zero", "llama")])
 def test_cp2_with_tp2_pp2_or_dp2(ranks, dim, model_type):
     results = ranks(4).run(check_cp_with, dim, model_type, timeout=TIMEOUT_S)
-    assert len(results) == 4 and all(isinstance(r, str) for r in results), results
+    assert len(results) == 4 and all(isinstance(r, (str, list)) for r in results), results
 
 
 def test_cp_errors_name_the_values(ranks):
