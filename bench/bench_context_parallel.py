@@ -27,6 +27,8 @@ import torchpp
 from torchpp.models import parallelize
 from torchpp.plan import SavedActivationMeter
 
+from timing import interleaved, median_spread  # bench/timing.py, next to this script
+
 
 def make_model(args):
     torch.manual_seed(0)
@@ -86,20 +88,9 @@ def time_part(args, world: int) -> None:
         model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    samples = {name: [] for name in variants}
-    for _ in range(1):
-        for name in variants:
-            step(name)
-            dist.barrier()
-    for _ in range(args.repeats):
-        for name in variants:
-            dist.barrier()
-            start = time.perf_counter()
-            step(name)
-            samples[name].append(time.perf_counter() - start)
-            dist.barrier()
-    med = {name: statistics.median(v) for name, v in samples.items()}
-    spread = {name: (max(v) - min(v)) / med[name] for name, v in samples.items()}
+    samples = interleaved(step, variants, args.repeats, warmup=1)
+    med = {name: median_spread(v)[0] for name, v in samples.items()}
+    spread = {name: median_spread(v)[1] for name, v in samples.items()}
     if rank == 0:
         print(f"forward + backward, seq {args.long_seq}, cp={world}, {args.repeats} repeats (median, spread)")
         for name in variants:

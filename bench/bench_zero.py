@@ -11,13 +11,13 @@ step (what a rank holds between steps). Step times are interleaved over the stag
 times, and reported as the median and the spread (max - min) / median.
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from torchpp.models.gpt import GPT, GPTConfig, gpt_loss
+
+from timing import interleaved, median_spread  # bench/timing.py, next to this script
 from torchpp.parallel import DistributedOptimizer, init_parallel
 
 
@@ -45,16 +45,7 @@ def bench_dp(args, state):
         optimizer.step()
         memory["after step"] = optimizer.memory_bytes()
 
-    samples = {zero: [] for zero in runs}
-    for _ in range(2):  # warm-up
-        for zero in runs:
-            step(zero)
-    for _ in range(args.repeats):
-        for zero in runs:  # interleaved, so machine noise hits all alike
-            dist.barrier()
-            start = time.perf_counter()
-            step(zero)
-            samples[zero].append(time.perf_counter() - start)
+    samples = interleaved(step, runs, args.repeats)
     if state.dp_rank != 0:
         return
     model_bytes = sum(p.numel() * p.element_size() for p in runs[0][0].parameters())
@@ -62,11 +53,10 @@ def bench_dp(args, state):
           f"bucket {args.bucket_mib} MiB; repeats={args.repeats}; MiB on rank 0")
     print("| zero | params | grads | optimizer | total after step | grads after backward | step ms (median) | spread | vs zero=1 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    base = statistics.median(samples[1])
+    base = median_spread(samples[1])[0]
     for zero, (_, optimizer, memory) in runs.items():
         after, mid = memory["after step"], memory["after backward"]
-        med = statistics.median(samples[zero])
-        spread = (max(samples[zero]) - min(samples[zero])) / med
+        med, spread = median_spread(samples[zero])
         print(f"| {zero} | {_mib(after['param'])} | {_mib(after['grad'])} | {_mib(after['optimizer'])} | "
               f"{_mib(sum(after.values()))} | {_mib(mid['grad'])} | {med * 1e3:.1f} | {spread:.2f} | {med / base:.2f} |")
 
@@ -102,25 +92,15 @@ def bench_pp(args, state):
         info["peak"] = optimizer.optimizer.gathered_buckets.peak
         optimizer.step()
 
-    samples = {name: [] for name in runs}
-    for _ in range(2):
-        for name in runs:
-            step(name)
-    for _ in range(args.repeats):
-        for name in runs:
-            dist.barrier()
-            start = time.perf_counter()
-            step(name)
-            samples[name].append(time.perf_counter() - start)
+    samples = interleaved(step, runs, args.repeats)
     if dist.get_rank() != 0:
         return
     print(f"pp={state.pp} x dp={state.dp}, 1F1B, {args.microbatches} microbatches; rank 0 (first stage)")
     print("| ZeRO-3 | bucket gathers per step | buckets | most gathered at once | step ms (median) | spread |")
     print("|---|---|---|---|---|---|")
     for name, (_, _, info) in runs.items():
-        med = statistics.median(samples[name])
-        print(f"| {name} | {info['gathers']} | {info['buckets']} | {info['peak']} | {med * 1e3:.1f} | "
-              f"{(max(samples[name]) - min(samples[name])) / med:.2f} |")
+        med, spread = median_spread(samples[name])
+        print(f"| {name} | {info['gathers']} | {info['buckets']} | {info['peak']} | {med * 1e3:.1f} | {spread:.2f} |")
 
 
 def main():
