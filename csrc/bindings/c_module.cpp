@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "ops/collective_check.h"
+#include "ops/pass_groups.h"
 #include "ops/split_linear_store.h"
 #include "runtime/executor.h"
 #include "runtime/failure.h"
@@ -125,7 +126,7 @@ std::unique_ptr<runtime::Executor> make_executor(
     std::vector<std::string> abort_groups, c10::Device device, const std::map<int, runtime::Tensors>& expected_inputs,
     const std::map<int, runtime::Tensors>& expected_outputs, std::set<int> backward_hooked_stages, py::object forward,
     py::object after_backward, std::shared_ptr<runtime::ScriptStages> script, double timeout_s,
-    std::vector<std::pair<std::string, std::string>> fingerprint) {
+    std::vector<std::pair<std::string, std::string>> fingerprint, bool overlap_forward_backward) {
   runtime::ExecutorConfig config;
   config.rank = rank;
   config.actions = std::move(actions);
@@ -145,6 +146,7 @@ std::unique_ptr<runtime::Executor> make_executor(
   TORCH_CHECK(timeout_s >= 0, "torchpp pipeline: timeout must be positive seconds (0: the group's own), got ", timeout_s);
   config.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0 + 0.5));
   config.fingerprint.fields = std::move(fingerprint);
+  config.overlap_forward_backward = overlap_forward_backward;
   runtime::BackwardHook hook;
   if (!after_backward.is_none()) hook = python_backward_hook(after_backward.cast<py::function>());
   if (script) {  // TorchScript stages: the forward never enters Python
@@ -231,6 +233,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("collective_checks", &collective_checks);
   m.def("set_collective_checks", &set_collective_checks, py::arg("enabled"));
 
+  // ---- Twin groups of the backward pass (ops/pass_groups.h) ----
+  m.def("set_backward_group", &set_backward_group, py::arg("group_name"), py::arg("twin_name"));
+  m.def("group_for_current_pass", &group_for_current_pass, py::arg("group_name"));
+
   // ---- Weight-gradient store of the split B/W linear ----
   m.def("wgrad_begin_capture", &weight_grad_store::begin_capture, py::arg("stage"), py::arg("microbatch"));
   m.def("wgrad_end_capture", &weight_grad_store::end_capture);
@@ -271,7 +277,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("expected_inputs"), py::arg("expected_outputs") = std::map<int, runtime::Tensors>{},
            py::arg("backward_hooked_stages") = std::set<int>{}, py::arg("forward") = py::none(),
            py::arg("after_backward") = py::none(), py::arg("script") = nullptr, py::arg("timeout_s") = 0.0,
-           py::arg("fingerprint") = std::vector<std::pair<std::string, std::string>>{})
+           py::arg("fingerprint") = std::vector<std::pair<std::string, std::string>>{},
+           py::arg("overlap_forward_backward") = false)
       .def("step", &runtime::Executor::step, py::arg("inputs_changed"), py::call_guard<py::gil_scoped_release>())
       .def("abort_step", &runtime::Executor::abort_step, py::arg("message"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("peak_activations", &runtime::Executor::peak_activations)

@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
@@ -39,6 +40,7 @@ at::Tensor exchange_rows(const at::Tensor& rows, const std::vector<int64_t>& sen
   // The split sizes came from moe_route's exchange, so every rank's sends match its peers' receives:
   // no shape check can apply (the ranks' shapes differ by design).
   auto send = send_rows, recv = recv_rows;
+  RECORD_FUNCTION("torchpp::moe::all_to_all", std::vector<c10::IValue>());  // the span overlap is measured on
   group->all_to_all_single(output, input, recv, send)->wait();
   return output;
 }
@@ -126,6 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
     received = counts.clone();
   } else {
     // A different num_experts on some rank would make the exchange's buffers disagree: checked first.
+    RECORD_FUNCTION("torchpp::moe::all_to_all", std::vector<c10::IValue>());
     check_same_input(*group, name, counts, CollectiveKind::AllToAll, op);
     received = at::empty_like(counts);
     std::vector<int64_t> even;

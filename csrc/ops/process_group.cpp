@@ -1,5 +1,7 @@
 #include "ops/process_group.h"
 
+#include "ops/pass_groups.h"
+
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -7,7 +9,7 @@ namespace torchpp {
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& group_name) {
   try {
-    return c10d::resolve_process_group(group_name);
+    return c10d::resolve_process_group(group_for_current_pass(group_name));
   } catch (const std::exception&) {
     TORCH_CHECK(
         false,

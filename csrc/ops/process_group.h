@@ -12,7 +12,8 @@ class ProcessGroup;
 
 namespace torchpp {
 
-// Looks the group up in c10d's registry; an unknown name is a user error, not an internal one.
+// Looks the group up in c10d's registry (its backward twin in a thread running a backward pass,
+// pass_groups.h); an unknown name is a user error, not an internal one.
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& group_name);
 
 // The group's size must match the size the caller promised (fake kernels shape outputs with it).

@@ -5,9 +5,11 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "ops/pass_groups.h"
 #include "ops/split_linear_store.h"
 
 namespace torchpp::runtime {
@@ -44,6 +46,7 @@ Executor::Executor(ExecutorConfig config, ForwardFn forward, BackwardHook after_
       forward_fn_(std::move(forward)),
       after_backward_(std::move(after_backward)),
       actions_(parse_actions(config_.actions)),
+      partner_(overlap_partners()),
       channel_(config_.pp_group, config_.tp_group, config_.tp_rank, config_.tp_size, config_.scatter_gather,
                config_.in_order, config_.device, config_.timeout, config_.fingerprint),
       failure_(config_.pp_group, config_.abort_groups),
@@ -51,6 +54,9 @@ Executor::Executor(ExecutorConfig config, ForwardFn forward, BackwardHook after_
       forward_only_(std::none_of(actions_.begin(), actions_.end(), [](const Action& a) {
         return a.type == ActionType::B || a.type == ActionType::I || a.type == ActionType::W;
       })) {
+  TORCH_CHECK(!config_.overlap_forward_backward || config_.device.type() == c10::DeviceType::CPU,
+              "torchpp pipeline: forward-backward overlap runs the two passes in two threads, which on ",
+              config_.device, " would need the autograd engine's device threads to know their pass; it is CPU-only");
   TORCH_CHECK(config_.stages_per_pipeline > 0, "torchpp pipeline: stages_per_pipeline must be positive");
   TORCH_CHECK(config_.backward_hooked_stages.empty() || after_backward_,
               "torchpp pipeline: backward_hooked_stages needs an after_backward hook");
@@ -70,8 +76,14 @@ void Executor::step(bool inputs_changed) {
     vote_ = channel_.post_vote(first_step_ || inputs_changed, step_kind());
     std::optional<at::NoGradGuard> no_grad;  // an evaluation step records no graph
     if (forward_only_) no_grad.emplace();
-    for (const auto& action : actions_) {
+    for (size_t i = 0; i < actions_.size(); ++i) {
+      const Action& action = actions_[i];
       current = &action;
+      if (partner_[i] >= 0) {
+        run_overlapped(i, static_cast<size_t>(partner_[i]));
+        i = static_cast<size_t>(partner_[i]);
+        continue;
+      }
       const bool compute = schedule::is_compute(action.type);
       current_record_ = timeline_.start(action.str(), compute);
       run(action);
@@ -116,6 +128,11 @@ void Executor::fail_step(const std::exception& error, const std::string& where) 
   weight_grad_store::clear();
   reset_step_state();
   first_step_ = true;
+  if (shared_failure_) {  // run_overlapped shared it with the peers already
+    std::exception_ptr shared = shared_failure_;
+    shared_failure_ = nullptr;
+    std::rethrow_exception(shared);
+  }
   failure_.fail(error, config_.rank, where);
 }
 
@@ -153,17 +170,14 @@ void Executor::run(const Action& action) {
   if (!schedule::is_compute(action.type)) exchange_meta();
   switch (action.type) {
     case ActionType::F:
-      forward(action);
-      break;
     case ActionType::I:
-      backward(action, /*split=*/true);
-      break;
     case ActionType::B:
-      backward(action, /*split=*/false);
+    case ActionType::W: {
+      Work work = prepare(action);
+      compute(work);
+      finish(work);
       break;
-    case ActionType::W:
-      weight_grad_store::run(action.stage, action.microbatch);
-      break;
+    }
     case ActionType::SEND_F:
       send_forward(action);
       break;
@@ -181,82 +195,85 @@ void Executor::run(const Action& action) {
 
 // ---- Compute ----
 
-void Executor::forward(const Action& action) {
+Executor::Work Executor::prepare(const Action& action) {
+  Work work;
+  work.action = action;
+  work.record = current_record_;
   const Key key{action.stage, action.microbatch};
-  Tensors inputs;
-  if (!is_first(action.stage)) {
-    inputs = take_activation(action);
-    for (auto& input : inputs) {
-      // Leaves, so that I/B can read the gradients the previous stage needs.
-      input = input.detach();
-      if (!forward_only_ && carries_gradient(input.scalar_type())) input.requires_grad_(true);
+  if (action.type == ActionType::F) {
+    if (!is_first(action.stage)) {
+      work.inputs = take_activation(action);
+      for (auto& input : work.inputs) {
+        // Leaves, so that I/B can read the gradients the previous stage needs.
+        input = input.detach();
+        if (!forward_only_ && carries_gradient(input.scalar_type())) input.requires_grad_(true);
+      }
     }
+    return work;
   }
-  Tensors outputs;
-  try {
-    outputs = forward_fn_(action.stage, action.microbatch, inputs);
-  } catch (const c10::DistError&) {
-    throw;  // a broken group: the failure path looks for the peer that broke it
-  } catch (const std::exception& error) {
-    if (inputs.empty()) throw;
-    // What the stage was given tells a wrong shape from the previous stage (e.g. another hidden size).
-    auto* failure = dynamic_cast<const PipelineFailure*>(&error);
-    throw PipelineFailure(failure ? failure->kind() : FailureKind::Generic,
-                          std::string(error.what()) + " (stage " + std::to_string(action.stage) + "'s input from stage " +
-                              std::to_string(action.stage - 1) + " was " + MessageMeta::of(inputs).str() + ")");
-  }
-  TORCH_CHECK(!outputs.empty() && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.defined(); }),
-              "stage ", action.stage, " returned no tensor for microbatch ", action.microbatch);
-  TORCH_CHECK(!is_last(action.stage) || forward_only_ || outputs.size() == 1, "torchpp pipeline: the last stage's callback must return its loss alone");
-  auto expected = config_.expected_outputs.find(action.stage);
-  if (expected != config_.expected_outputs.end() && !is_last(action.stage) && exchange_meta()) {
-    // Checked where shapes travel: in other steps a changed output fails send_forward.
-    check_expected(MessageMeta::of(outputs), expected->second, action.stage, action.microbatch, "returned", "",
-                   "output_args");
-  }
-  const bool next_is_local = !is_last(action.stage) && rank_of(action.stage + 1) == config_.rank;
-  if (next_is_local) {
-    Tensors handed;
-    for (const auto& output : outputs) handed.push_back(output.detach());
-    local_activations_[{action.stage + 1, action.microbatch}] = std::move(handed);
-  }
-  if (!forward_only_) {
-    saved_[key] = Saved{std::move(inputs), std::move(outputs)};
-  } else if (!is_last(action.stage) && !next_is_local) {
-    saved_[key] = Saved{{}, std::move(outputs)};  // no backward will come: kept only until SEND_F
-  }
-  peak_activations_ = std::max<int64_t>(peak_activations_, static_cast<int64_t>(saved_.size()));
-}
-
-void Executor::backward(const Action& action, bool split) {
-  const Key key{action.stage, action.microbatch};
+  if (action.type == ActionType::W) return work;
   auto it = saved_.find(key);
   TORCH_CHECK(it != saved_.end(), "torchpp pipeline: ", action.str(), " runs before its forward");
   Saved saved = std::move(it->second);
   saved_.erase(it);  // the activations go as soon as this backward has run
-  Tensors roots;
-  Tensors grad_outputs;
+  work.inputs = std::move(saved.inputs);
+  work.outputs = std::move(saved.outputs);
   if (is_last(action.stage)) {
-    if (saved.outputs[0].requires_grad()) roots.push_back(saved.outputs[0]);  // the loss
-  } else {
-    // One gradient per output that carries one; outputs that need none (detached) skip theirs.
-    const Tensors grads = take_gradient(action);
-    size_t next = 0;
-    for (const auto& output : saved.outputs) {
-      if (!carries_gradient(output.scalar_type())) continue;
-      const at::Tensor& grad = grads.at(next++);
-      if (output.requires_grad()) {
-        roots.push_back(output);
-        grad_outputs.push_back(grad);
-      }
+    if (work.outputs[0].requires_grad()) work.roots.push_back(work.outputs[0]);  // the loss
+    return work;
+  }
+  // One gradient per output that carries one; outputs that need none (detached) skip theirs.
+  const Tensors grads = take_gradient(action);
+  size_t next = 0;
+  for (const auto& output : work.outputs) {
+    if (!carries_gradient(output.scalar_type())) continue;
+    const at::Tensor& grad = grads.at(next++);
+    if (output.requires_grad()) {
+      work.roots.push_back(output);
+      work.grad_outputs.push_back(grad);
     }
   }
+  return work;
+}
+
+void Executor::compute(Work& work) {
+  const Action& action = work.action;
+  PassGuard pass(action.type == ActionType::F ? Pass::Forward : Pass::Backward);
+  // A profiler span per compute action (with its thread: overlapped pairs run in two).
+  RECORD_FUNCTION(std::string("torchpp::pipeline::") + schedule::action_type_name(action.type),
+                  std::vector<c10::IValue>());
+  if (action.type == ActionType::W) {
+    weight_grad_store::run(action.stage, action.microbatch);
+    return;
+  }
+  if (action.type == ActionType::F) {
+    try {
+      work.outputs = forward_fn_(action.stage, action.microbatch, work.inputs);
+    } catch (const c10::DistError&) {
+      throw;  // a broken group: the failure path looks for the peer that broke it
+    } catch (const std::exception& error) {
+      if (work.inputs.empty()) throw;
+      // What the stage was given tells a wrong shape from the previous stage (e.g. another hidden size).
+      auto* failure = dynamic_cast<const PipelineFailure*>(&error);
+      throw PipelineFailure(failure ? failure->kind() : FailureKind::Generic,
+                            std::string(error.what()) + " (stage " + std::to_string(action.stage) +
+                                "'s input from stage " + std::to_string(action.stage - 1) + " was " +
+                                MessageMeta::of(work.inputs).str() + ")");
+    }
+    TORCH_CHECK(!work.outputs.empty() && std::all_of(work.outputs.begin(), work.outputs.end(),
+                                                     [](const at::Tensor& t) { return t.defined(); }),
+                "stage ", action.stage, " returned no tensor for microbatch ", action.microbatch);
+    TORCH_CHECK(!is_last(action.stage) || forward_only_ || work.outputs.size() == 1,
+                "torchpp pipeline: the last stage's callback must return its loss alone");
+    return;
+  }
+  const bool split = action.type == ActionType::I;
   const bool hooked = config_.backward_hooked_stages.count(action.stage) > 0;
-  if (!roots.empty() || hooked) {
+  if (!work.roots.empty() || hooked) {
     if (split) weight_grad_store::begin_capture(action.stage, action.microbatch);
     try {
-      if (!roots.empty()) {
-        torch::autograd::backward(roots, grad_outputs, /*retain_graph=*/false, /*create_graph=*/false);
+      if (!work.roots.empty()) {
+        torch::autograd::backward(work.roots, work.grad_outputs, /*retain_graph=*/false, /*create_graph=*/false);
       }
       // Still capturing: what the hook defers runs in this microbatch's W.
       if (hooked) after_backward_(action.stage, action.microbatch, split);
@@ -266,17 +283,47 @@ void Executor::backward(const Action& action, bool split) {
     }
     if (split) weight_grad_store::end_capture();
   }
+  work.roots.clear();
+  work.grad_outputs.clear();
   if (!is_first(action.stage)) {
-    Tensors grads;
-    for (const auto& input : saved.inputs) {
+    for (const auto& input : work.inputs) {
       if (!carries_gradient(input.scalar_type())) continue;
       at::Tensor grad = input.grad();
-      grads.push_back(grad.defined() ? grad : at::zeros_like(input));
+      work.input_grads.push_back(grad.defined() ? grad : at::zeros_like(input));
     }
+  }
+}
+
+void Executor::finish(Work& work) {
+  const Action& action = work.action;
+  const Key key{action.stage, action.microbatch};
+  if (action.type == ActionType::W) return;
+  if (action.type == ActionType::F) {
+    auto expected = config_.expected_outputs.find(action.stage);
+    if (expected != config_.expected_outputs.end() && !is_last(action.stage) && exchange_meta()) {
+      // Checked where shapes travel: in other steps a changed output fails send_forward.
+      check_expected(MessageMeta::of(work.outputs), expected->second, action.stage, action.microbatch, "returned", "",
+                     "output_args");
+    }
+    const bool next_is_local = !is_last(action.stage) && rank_of(action.stage + 1) == config_.rank;
+    if (next_is_local) {
+      Tensors handed;
+      for (const auto& output : work.outputs) handed.push_back(output.detach());
+      local_activations_[{action.stage + 1, action.microbatch}] = std::move(handed);
+    }
+    if (!forward_only_) {
+      saved_[key] = Saved{std::move(work.inputs), std::move(work.outputs)};
+    } else if (!is_last(action.stage) && !next_is_local) {
+      saved_[key] = Saved{{}, std::move(work.outputs)};  // no backward will come: kept only until SEND_F
+    }
+    peak_activations_ = std::max<int64_t>(peak_activations_, static_cast<int64_t>(saved_.size()));
+    return;
+  }
+  if (!is_first(action.stage)) {
     if (rank_of(action.stage - 1) == config_.rank) {
-      local_gradients_[{action.stage - 1, action.microbatch}] = std::move(grads);
+      local_gradients_[{action.stage - 1, action.microbatch}] = std::move(work.input_grads);
     } else {
-      input_grads_[key] = std::move(grads);
+      input_grads_[key] = std::move(work.input_grads);
     }
   }
   // The next stage consumed this microbatch's activation before sending its gradient back.

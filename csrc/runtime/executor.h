@@ -22,9 +22,16 @@
 //  - Every blocking wait is bounded (bounded_wait.h): a peer that never answers (stopped, hung)
 //    fails the step with PipelineTimeoutError naming the action and the peer.
 //  - Any failure aborts the step on every rank (see failure.h).
+//  - Forward-backward overlap (DualPipe's, `overlap_forward_backward`): a forward and the
+//    backward of another microbatch next to it in the list (only the first one's sends and
+//    receives between them) run at once, the first in a worker thread; while one waits on a
+//    collective (expert parallelism's all-to-all) the other computes. The backward's collectives
+//    go to twin groups (ops/pass_groups.h); messages keep their order (receives between the two
+//    are issued while the first runs, its sends after both).
 #pragma once
 
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <map>
 #include <set>
@@ -70,6 +77,7 @@ struct ExecutorConfig {
   std::set<int> backward_hooked_stages;         // stages whose backward calls the BackwardHook
   std::chrono::milliseconds timeout{0};         // longest wait on a peer (zero: the group's own)
   Fingerprint fingerprint;                      // what every rank's schedule must agree on
+  bool overlap_forward_backward = false;        // run F/B pairs at once (CPU only, see above)
 };
 
 class Executor {
@@ -95,10 +103,30 @@ class Executor {
     Tensors outputs;
   };
 
+  // A compute action around its work: prepare (main thread: inputs, bookkeeping), compute (the
+  // work itself, any thread), finish (main thread: files the results).
+  struct Work {
+    schedule::Action action;
+    Tensors inputs;        // F: the received inputs; I/B: the forward's saved inputs
+    Tensors outputs;       // F: what the stage returned; I/B: the forward's outputs
+    Tensors roots;         // I/B: outputs that get a gradient, and those gradients
+    Tensors grad_outputs;
+    Tensors input_grads;   // I/B: the gradients of the inputs, for the previous stage
+    size_t record = 0;     // timeline record
+  };
+
   [[noreturn]] void fail_step(const std::exception& error, const std::string& where);
+  // What fail_step does to the peers (shares the error, breaks the groups), without throwing:
+  // the PipelineFailure to raise once the other thread of an overlapped pair has returned.
+  std::exception_ptr share_failure(const std::exception& error, const std::string& where) noexcept;
   void run(const schedule::Action& action);
-  void forward(const schedule::Action& action);
-  void backward(const schedule::Action& action, bool split);
+  Work prepare(const schedule::Action& action);
+  void compute(Work& work);
+  void finish(Work& work);
+  // Runs actions_[first] and actions_[second] at once, with the messages between them.
+  void run_overlapped(size_t first, size_t second);
+  // For each action index, the index of the action it runs at once with (-1: none).
+  std::vector<int> overlap_partners() const;
   void send_forward(const schedule::Action& action);
   void send_backward(const schedule::Action& action);
   void post_recv_forward(const schedule::Action& action);
@@ -126,6 +154,7 @@ class Executor {
   ForwardFn forward_fn_;
   BackwardHook after_backward_;
   std::vector<schedule::Action> actions_;
+  std::vector<int> partner_;  // overlap_partners()
   P2PChannel channel_;
   FailurePropagation failure_;
   Timeline timeline_;
@@ -133,6 +162,7 @@ class Executor {
   bool first_step_ = true;
   bool exchange_meta_ = true;  // valid once vote_ has been read
   PendingRecv vote_;
+  std::exception_ptr shared_failure_;  // already shared with the peers by run_overlapped
 
   std::map<Key, Saved> saved_;
   std::map<Key, Tensors> local_activations_;  // next stage on this rank: handed over directly

@@ -62,6 +62,10 @@ void Timeline::end(size_t index) {
   }
 }
 
+void Timeline::end_at(size_t index, double when_us) {
+  records_[index].end_us = when_us;
+}
+
 void Timeline::arrived(const std::string& recv_action, double when_us) {
   for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
     if (it->action == recv_action) {

@@ -32,6 +32,8 @@ class Timeline {
   // The action's inputs arrived: its span starts now (waiting is not compute).
   void restart(size_t index);
   void end(size_t index);
+  // Ends a host-timed record at `when_us` (an action another thread ran).
+  void end_at(size_t index, double when_us);
   void arrived(const std::string& recv_action, double when_us);
   // Resolves device events into timestamps (waits for the device).
   void finish_step();

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpp import tensor_parallel as tp
+from torchpp.expert_parallel.overlap import forward_backward_overlap
 from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, user_plans
 from torchpp.models.stages import ModelStage, PipelineLayout, cut_in_place, get_submodule
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel, rank_grid
@@ -576,6 +577,7 @@ def parallelize(
     capacity_factor: Optional[float] = None,
     expert_tensor_parallel: bool = False,
     zero: Union[bool, int] = 0,
+    overlap_forward_backward: Optional[bool] = None,
 ) -> nn.Module:
     """Shards ``model`` in place over tensor- and pipeline-parallel ranks, by plan.
 
@@ -638,6 +640,12 @@ def parallelize(
             share of a rank's routed pairs; dropped pairs per experts module: ``model.ep_dropped``.
         expert_tensor_parallel: with tp > 1 and ep > 1, also split each expert over TP (the TP plan's
             expert entries); default False: whole experts, replicated over TP.
+        overlap_forward_backward: (pp > 1) run each forward and the backward of another
+            microbatch next to it in the schedule at once (DualPipe's overlapped pairs), so the
+            experts' all-to-all of one waits while the other computes
+            (torchpp.expert_parallel.overlap). None (default): on under dualpipe / dualpipe-v
+            with ep > 1 on CPU when tp = cp = 1 and zero <= 1; True insists (errors name what
+            stands in the way); False: off.
         zero: the ZeRO stage (0..3; True is 1) that ``DistributedOptimizer(model, ...)`` then
             applies over dp (``model.zero_stage``); at 3 that optimizer shards the parameters
             and gathers each bucket before its first forward in a step.
@@ -649,6 +657,7 @@ def parallelize(
     zero = zero_stage(zero)
     state = _resolve_state(state, tp, pp, cp, ep)
     _ensure_tp_rng(state)
+    overlap = forward_backward_overlap(state, schedule, overlap_forward_backward, zero)  # errors before any change
     hf = is_transformers_model(model)
     fixups = None
     if plan is not None:
@@ -776,7 +785,7 @@ def parallelize(
         if num_pipelines == 2:
             model.loss_group = _end_ranks_group(state, rank_of[first], rank_of[last])
         _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, state, sequence_parallel,
-                        grad_scaler, causal_lm, loss_fn, split_bw)
+                        grad_scaler, causal_lm, loss_fn, split_bw, overlap)
     return model
 
 
@@ -790,7 +799,7 @@ def _apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, num_layers: i
 
 
 def _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, state, sequence_parallel, grad_scaler,
-                    causal_lm, loss_fn, split_bw) -> None:
+                    causal_lm, loss_fn, split_bw, overlap) -> None:
     from torchpp.pipeline import PipelineStage, build_schedule
 
     pipeline_stages = [PipelineStage(stages[i], i, num_stages, state.device, group=state.pp_group,
@@ -805,8 +814,10 @@ def _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, s
     else:
         loss = loss_fn
     # Sequence-parallel hidden states differ per TP rank, so the pipeline must not split/gather them.
+    overlap_forward_backward, overlap_groups = overlap
     model.schedule = build_schedule(schedule, pipeline_stages, n_microbatches, loss_fn=loss,
-                                    scatter_gather=not sequence_parallel, grad_scaler=grad_scaler)
+                                    scatter_gather=not sequence_parallel, grad_scaler=grad_scaler,
+                                    overlap_forward_backward=overlap_forward_backward, overlap_groups=overlap_groups)
 
 
 def _auto_split(model: nn.Module, layout: PipelineLayout, num_stages: int, pp: int, rank_of) -> List[int]:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from torchpp import _C
+from torchpp.parallel.backward_groups import pass_group
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -150,7 +151,8 @@ class GradReducer:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        # From a backward hook: under the pipeline's forward-backward overlap, the backward's twin group.
+        bucket.work = dist.all_reduce(bucket.buffer, group=pass_group(self.group), async_op=True)
 
     def wait_bucket(self, bucket: _Bucket) -> None:
         if bucket.work is not None:

@@ -24,6 +24,7 @@ from typing import Iterable, List
 import torch
 import torch.distributed as dist
 
+from torchpp.parallel.backward_groups import pass_group
 from torchpp.parallel.data_parallel import GradReducer, _Bucket
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
@@ -83,7 +84,8 @@ class ShardedGradReducer(GradReducer):
     def _launch(self, bucket: _Bucket) -> None:
         flat = bucket.flat
         self._allocate(flat)  # a bucket no gradient reached reduces zeros
-        bucket.work = dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=self.group, async_op=True)
+        bucket.work = dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=pass_group(self.group),
+                                                 async_op=True)
         self._in_flight.append(bucket)
 
     def wait_bucket(self, bucket: _Bucket) -> None:

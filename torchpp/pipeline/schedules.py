@@ -75,8 +75,11 @@ class PipelineSchedule:
 
     def __init__(self, schedule: "S.Schedule", stages: List[PipelineStage], loss_fn, scale_grads: bool,
                  scatter_gather: bool, in_order_p2p: Optional[bool] = None, *, args_chunk_spec=None,
-                 kwargs_chunk_spec=None, output_merge_spec=None, grad_scaler=None, timeout=None):
+                 kwargs_chunk_spec=None, output_merge_spec=None, grad_scaler=None, timeout=None,
+                 overlap_forward_backward: bool = False, overlap_groups: Sequence[dist.ProcessGroup] = ()):
         self.schedule = schedule
+        self.overlap_forward_backward = bool(overlap_forward_backward)
+        self._overlap_groups = list(overlap_groups)
         self.timeout = timeout_seconds(timeout)
         self.args_chunk_spec = args_chunk_spec
         self.kwargs_chunk_spec = kwargs_chunk_spec
@@ -121,6 +124,8 @@ class PipelineSchedule:
         """The C++ executor of this rank's actions in ``lowered``."""
         tp_group = self._tp_group
         groups = [self.group.group_name] + ([tp_group.group_name] if tp_group is not None else [])
+        # A failing side of an overlapped pair breaks these, so the other side's collective returns.
+        groups += [g.group_name for g in self._overlap_groups if g.group_name not in groups]
         return _C.Executor(
             rank=self.rank,
             actions=lowered.actions(self.rank),
@@ -142,6 +147,7 @@ class PipelineSchedule:
             script=self._script,
             timeout_s=self.timeout,
             fingerprint=self._fingerprint(lowered),
+            overlap_forward_backward=self.overlap_forward_backward,
         )
 
     def _fingerprint(self, lowered: "S.Schedule") -> List[Tuple[str, str]]:
@@ -159,6 +165,7 @@ class PipelineSchedule:
             ("p2p", "in-order" if self.in_order_p2p else "tagged"),
             ("lowered actions (hash)", hashlib.blake2b(actions.encode(), digest_size=8).hexdigest()),
             ("parameter dtype", ",".join(dtypes)),
+            ("forward-backward overlap", "on" if self.overlap_forward_backward else "off"),
         ]
 
     def _place(self, stages: List[PipelineStage]) -> Dict[int, PipelineStage]:
@@ -460,6 +467,8 @@ def build_schedule(
     output_merge_spec=None,
     grad_scaler=None,
     timeout: Union[None, float, datetime.timedelta] = None,
+    overlap_forward_backward: bool = False,
+    overlap_groups: Sequence[dist.ProcessGroup] = (),
 ) -> PipelineSchedule:
     """Compiles schedule ``name`` for this rank's stages.
 
@@ -500,6 +509,13 @@ def build_schedule(
             variable TORCHPP_PIPELINE_TIMEOUT, else 600 s; never longer than the process
             group's own timeout; 0: the group's timeout alone. On GPUs it bounds the waits
             that block the host (the step-start vote); NCCL's watchdog bounds device-side waits.
+        overlap_forward_backward: run each forward and the backward of another microbatch that
+            the schedule places next to it (DualPipe's overlapped pairs) at once, in two threads,
+            so one's collectives (expert parallelism's all-to-all) wait while the other
+            computes. CPU only. The collectives of the backward must go to twin groups
+            (``torchpp.parallel.backward_groups.backward_twins``): ``parallelize`` sets this up.
+        overlap_groups: the groups the stages' compute talks on (and their twins), broken with
+            the pipeline's when a step fails, so neither side of a pair waits forever.
 
     Every step starts with a vote over the pipeline group that also compares a fingerprint
     of the schedule (name, n_microbatches, stages, lowered action lists, parameter dtype):
@@ -510,7 +526,8 @@ def build_schedule(
                                               microbatch_group_size=microbatch_group_size)
     return PipelineSchedule(schedule, stage_list, loss_fn, scale_grads, scatter_gather, in_order_p2p,
                             args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                            output_merge_spec=output_merge_spec, grad_scaler=grad_scaler, timeout=timeout)
+                            output_merge_spec=output_merge_spec, grad_scaler=grad_scaler, timeout=timeout,
+                            overlap_forward_backward=overlap_forward_backward, overlap_groups=overlap_groups)
 
 
 def compile_for_stages(name: Union[str, "S.Schedule"], stages: Union[PipelineStage, Sequence[PipelineStage]],
