@@ -16,18 +16,19 @@ from torchpp.testing.tiny_models import tiny_model
 TIMEOUT_S = 240
 
 
-def _steps(ep, root, save_after=False, load=False, tp=1):
-    """Two AdamW steps of Mixtral at this ep (and tp, with experts split over TP too; dp=2,
-    each dp rank its own rows); saves after the first, or loads before the second (skipping the
-    first). Returns the second step's mean loss."""
+def _steps(ep, root, save_after=False, load=False, tp=1, zero=0):
+    """Two AdamW steps of Mixtral at this ep (and tp, with experts split over TP too; each dp
+    rank its own two rows; ``zero``: ZeRO-1, the experts' state sharded over expert_dp_group);
+    saves after the first, or loads before the second (skipping the first). Returns the second
+    step's mean loss."""
     from torchpp.checkpoint import load_checkpoint, save_checkpoint
     from torchpp.parallel import DistributedOptimizer
 
     state = torchpp.init_parallel(tp=tp, ep=ep)
     model = parallelize(tiny_model("mixtral", seed=1234 if not load else 99), state=state, ep=ep,
                         expert_tensor_parallel=tp > 1)
-    optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, lr=1e-2)
-    ids, labels = full_batch(model.config.vocab_size)
+    optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, lr=1e-2, zero=zero)
+    ids, labels = full_batch(model.config.vocab_size, rows=2 * state.dp)
     mine = slice(2 * state.dp_rank, 2 * state.dp_rank + 2)
     loss = None
     for step in range(2):
@@ -42,7 +43,7 @@ def _steps(ep, root, save_after=False, load=False, tp=1):
             save_checkpoint(root, 1, model, optimizer, state=state)
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=state.dp_group)
-    return mean.item() / 2
+    return mean.item() / state.dp
 
 
 def test_dcp_checkpoint_at_ep2_reloads_at_ep1_and_ep2(ranks, tmp_path):
@@ -98,3 +99,14 @@ def test_dcp_checkpoint_at_ep2_tp2_with_etp_reloads_at_ep1(ranks, tmp_path):
     saved = ranks(4).run(_steps, 2, root, save_after=True, tp=2, timeout=TIMEOUT_S)
     loaded = ranks(4).run(_steps, 1, root, load=True, tp=2, timeout=TIMEOUT_S)
     assert abs(loaded[0] - saved[0]) <= 1e-9 * abs(saved[0]), (saved, loaded)
+
+
+def test_dcp_checkpoint_of_zero1_expert_state_reloads_at_other_ep_and_zero(ranks, tmp_path):
+    # 4 ranks, dp=4: at ep=2 each expert's AdamW state is sharded over its 2 expert-data-parallel
+    # ranks (ZeRO-1) and saved as chunks of the whole tensor; reloaded without ZeRO at ep=1 and
+    # ep=4 and with it at ep=2, the second step equals the uninterrupted one.
+    root = str(tmp_path / "zero1")
+    saved = ranks(4).run(_steps, 2, root, save_after=True, zero=1, timeout=TIMEOUT_S)
+    for ep, zero in ((1, 0), (4, 0), (2, 1)):
+        loaded = ranks(4).run(_steps, ep, root, load=True, zero=zero, timeout=TIMEOUT_S)
+        assert abs(loaded[0] - saved[0]) <= 1e-9 * abs(saved[0]), (ep, zero, saved, loaded)

@@ -76,10 +76,28 @@ def saved_whole(param: torch.Tensor, state: ParallelState) -> bool:
     tensor, so the files stay independent of the layout."""
     if getattr(param, "expert_parallel", None) is not None:
         return True
+    return tp_saved_whole(param, state)
+
+
+def tp_saved_whole(param: torch.Tensor, state: ParallelState) -> bool:
+    """True when ``param``'s TP shard is not one contiguous block of the full tensor."""
     layout = getattr(param, "tp_layout", None)
     if layout is None or isinstance(layout, Replicated) or state.tp == 1:
         return False
     return not (isinstance(layout, Split) and layout.full_size % state.tp == 0)
+
+
+def expert_shape_and_offset(param: torch.Tensor, state: ParallelState) -> Tuple[torch.Size, Tuple[int, ...]]:
+    """For an expert parameter whose TP shard is one block (``tp_saved_whole`` False): the shape
+    of the whole tensor (every expert) and where this rank's block starts in it (its experts
+    along dim 0, its TP shard along the partition dim)."""
+    dim = tp_partition(param, state)
+    if dim == 0:
+        raise NotImplementedError("torchpp.checkpoint: an expert parameter split over TP along its experts' dim 0")
+    shape, offset = global_shape_and_offset(param, dim, state)
+    _, ep_rank, ep_size = param.expert_parallel
+    return (torch.Size([shape[0] * ep_size, *shape[1:]]),
+            (offset[0] + ep_rank * param.shape[0], *offset[1:]))
 
 
 class WholeLayout:

@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from torchpp.checkpoint.chunks import ChunkedTensor
-from torchpp.checkpoint.layout import WholeLayout, as_dtensor, global_shape_and_offset, saved_whole, tp_partition
+from torchpp.checkpoint.layout import (WholeLayout, as_dtensor, expert_shape_and_offset, global_shape_and_offset,
+                                       saved_whole, tp_partition, tp_saved_whole)
 from torchpp.parallel.groups import ParallelState
 from torchpp.parallel.optimizer import DistributedOptimizer
 from torchpp.parallel.zero import ZeroRedundancyOptimizer, _Segment
@@ -71,6 +72,12 @@ def _per_element(leaf: _Leaf, local: torch.Tensor, state: ParallelState,
     """`local` (state shaped like the leaf) as a DTensor, or as a ChunkedTensor under ZeRO; for
     a parameter saved whole (see saved_whole), the full tensor (a buffer when `loading`).
     Returns (entry, whether it is chunked, the full tensor when saved whole)."""
+    experts = getattr(leaf.param, "expert_parallel", None) is not None
+    if experts and leaf.segment is not None and not tp_saved_whole(leaf.param, state):
+        # ZeRO over the expert-data-parallel ranks: this rank's flat segment of its experts'
+        # block, which sits at a known offset of the whole tensor.
+        shape, shift = expert_shape_and_offset(leaf.param, state)
+        return ChunkedTensor.from_flat_range(local, leaf.param.shape, leaf.segment.param_lo, shape, shift), True, None
     if saved_whole(leaf.param, state):
         if leaf.segment is not None:
             raise NotImplementedError(
