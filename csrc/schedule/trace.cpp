@@ -10,6 +10,7 @@ namespace {
 
 constexpr int kComputeTrack = 0;
 constexpr int kCommTrack = 1;
+constexpr int kOverlapTrack = 2;  // compute run at once with the compute track's (real runs)
 
 std::string number(double v) {
   char buf[32];
@@ -37,8 +38,18 @@ std::string chrome_trace_json(const Schedule& s, const Simulation& sim, double s
     events.push_back(metadata("process_name", r, 0, "rank " + std::to_string(r)));
     events.push_back(metadata("thread_name", r, kComputeTrack, "compute"));
     events.push_back(metadata("thread_name", r, kCommTrack, "comm"));
+    double compute_end = -1e300;
+    bool overlapped = false;
     for (const TimedAction& t : sim.timeline[r]) {
-      events.push_back(slice(t.action.str(), action_type_name(t.action.type), r, kComputeTrack,
+      // An action that starts before the previous one ended ran at once with it (the executor's
+      // forward-backward overlap): its own track, so neither hides the other.
+      const bool concurrent = t.start < compute_end;
+      if (concurrent && !overlapped) {
+        events.push_back(metadata("thread_name", r, kOverlapTrack, "compute (overlapped)"));
+        overlapped = true;
+      }
+      if (!concurrent) compute_end = t.end;
+      events.push_back(slice(t.action.str(), action_type_name(t.action.type), r, concurrent ? kOverlapTrack : kComputeTrack,
                              t.start * scale, (t.end - t.start) * scale,
                              "\"stage\":" + std::to_string(t.action.stage) +
                                  ",\"microbatch\":" + std::to_string(t.action.microbatch)));

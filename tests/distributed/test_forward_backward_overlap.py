@@ -1,11 +1,13 @@
 """DualPipe's forward-backward overlap under expert parallelism (torchpp.expert_parallel.overlap):
 on by default for dualpipe / dualpipe-v with ep > 1, the executor runs each overlapped pair's
-forward and backward at once (seen in its timeline), and the step equals the same step run
-one action at a time, in float64: loss and every gradient. (tests/distributed/
+forward and backward at once (seen in its timeline, and on a track of its own in the real-run
+Chrome trace), and the step equals the same step run one action at a time, in float64: loss and
+every gradient. (tests/distributed/
 test_expert_parallel_models.py also compares these schedules with the unwrapped model.)"""
 import pytest
 
 TIMEOUT_S = 300
+OVERLAP_TRACK = 2  # the Chrome trace's "compute (overlapped)" track (csrc/schedule/trace.cpp)
 
 
 def _overlapped_pairs(timeline):
@@ -16,11 +18,13 @@ def _overlapped_pairs(timeline):
 
 def check_overlap_equals_sequential(schedule: str, n_microbatches: int) -> str:
     import copy
+    import json
 
     import torch
 
     import torchpp
     from torchpp.models import parallelize
+    from torchpp.pipeline.trace import chrome_trace_json, gather_runs
     from torchpp.testing.model_checks import assert_close, float64_throughout
     from torchpp.testing.tiny_models import tiny_model
 
@@ -36,10 +40,15 @@ def check_overlap_equals_sequential(schedule: str, n_microbatches: int) -> str:
             assert wrapped.schedule.overlap_forward_backward is (overlap is None), overlap
             loss = wrapped.step(ids if wrapped.has_first_stage else None, ids if wrapped.has_last_stage else None)
             grads = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
-            results[overlap] = (loss, grads, _overlapped_pairs(wrapped.schedule.timeline()))
-        (loss_on, grads_on, pairs_on), (loss_off, grads_off, pairs_off) = results[None], results[False]
+            trace = json.loads(chrome_trace_json(gather_runs(wrapped.schedule)))
+            tracks = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e.get("ph") == "X"}
+            results[overlap] = (loss, grads, _overlapped_pairs(wrapped.schedule.timeline()),
+                                {pid for pid, tid in tracks if tid == OVERLAP_TRACK})
+        (loss_on, grads_on, pairs_on, traced_on), (loss_off, grads_off, pairs_off, traced_off) = \
+            results[None], results[False]
         assert pairs_on, f"no forward and backward ran at once under {schedule} with the overlap on"
         assert not pairs_off, pairs_off
+        assert traced_on == set(range(4)) and not traced_off, (traced_on, traced_off)
         if loss_on is not None:
             assert_close(loss_on, loss_off, f"{schedule} loss with and without overlap")
         assert grads_on.keys() == grads_off.keys() and grads_on
