@@ -5,7 +5,7 @@ unwrapped model's on the whole batch (torchpp.testing.expert_checks, float64). S
 (Qwen2-MoE, DeepSeek-V3) stay replicated; DeepSeek-V3's causal LM has no aux loss."""
 import pytest
 
-from torchpp.testing.expert_checks import check_ep, check_ep_pp
+from torchpp.testing.expert_checks import check_ep, check_ep_pp, check_pp_aux_loss
 
 TIMEOUT_S = 240
 
@@ -120,20 +120,15 @@ def test_ep2_pp2_equals_unwrapped(ranks, model_type, schedule, n_microbatches):
     assert all("grads" in r for r in results), results
 
 
-def check_aux_loss_under_pp_raises():
-    import pytest
-    import torchpp
-    from torchpp.models import parallelize
-    from torchpp.testing.tiny_models import tiny_model
-
-    state = torchpp.init_parallel(pp=2, ep=2)
-    with pytest.raises(NotImplementedError, match=r"output_router_logits=True .* \(pp=2\) is not supported"):
-        parallelize(tiny_model("mixtral", output_router_logits=True), state=state, ep=2, schedule="zb-h1")
-    state = torchpp.init_parallel(pp=2)  # without expert parallelism too: never silently dropped
-    with pytest.raises(NotImplementedError, match=r"output_router_logits=True .* \(pp=2\) is not supported"):
-        parallelize(tiny_model("mixtral", output_router_logits=True), state=state, schedule="zb-h1")
-    return True
-
-
-def test_aux_loss_under_pp_raises(ranks):
-    assert ranks(4).run(check_aux_loss_under_pp_raises) == [True] * 4
+@pytest.mark.parametrize("model_type, schedule, n_microbatches", [("mixtral", "zb-h1", 2), ("qwen3_moe", "zb-h1", 2),
+                                                                  ("mixtral", "dualpipe", 4),
+                                                                  ("qwen3_moe", "dualpipe", 4),
+                                                                  ("mixtral", "dualpipe-v", 4)])
+def test_aux_loss_under_pp_equals_gradient_accumulation(ranks, model_type, schedule, n_microbatches):
+    # output_router_logits=True at ep=2 x pp=2 (dp=2): each microbatch's loss holds the aux loss of
+    # that microbatch over both dp ranks' rows (the router statistics travel down the pipeline);
+    # equal to transformers over the global microbatches with gradient accumulation.
+    results = ranks(4).run(check_pp_aux_loss, model_type, ep=2, pp=2, schedule=schedule,
+                           n_microbatches=n_microbatches, timeout=TIMEOUT_S)
+    # DualPipe: both end ranks hold a last stage (DualPipe-V: rank 0 alone).
+    assert sum("aux " in r for r in results) == (4 if schedule == "dualpipe" else 2), results

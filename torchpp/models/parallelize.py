@@ -133,12 +133,12 @@ def _end_ranks_group(state: ParallelState, first_rank: int, last_rank: int) -> O
     return mine
 
 
-def _check_aux_loss(state: ParallelState) -> None:
+def _check_aux_loss(state: ParallelState, sequence_parallel: bool) -> None:
     """The MoE load-balancing loss (output_router_logits=True) where torchpp can keep it exact."""
-    if state.pp > 1:
-        raise NotImplementedError("torchpp.parallelize: output_router_logits=True (the load-balancing loss) under a "
-                                  f"pipeline (pp={state.pp}) is not supported: transformers adds it in the causal LM's "
-                                  f"forward, which a pipeline does not run whole; set it False with pp > 1")
+    if state.pp > 1 and sequence_parallel and state.tp > 1:  # each router would count its sequence slice alone
+        raise NotImplementedError(f"torchpp.parallelize: the MoE load-balancing loss (output_router_logits=True) under "
+                                  f"a pipeline (pp={state.pp}) is not supported with sequence_parallel=True and "
+                                  f"tp={state.tp}")
     if state.cp > 1:  # transformers adds it to each cp rank's loss, which the cp sum would count c times
         raise NotImplementedError(f"torchpp.parallelize: the MoE load-balancing loss (output_router_logits=True) "
                                   f"is not supported with cp={state.cp}")
@@ -350,6 +350,10 @@ class ParallelCausalLM(_ParallelMixin):
 
     vocab_parallel_logits = False
     context_parallel = None  # torchpp.context_parallel.hf.ContextParallel when cp > 1
+    # Under a pipeline with output_router_logits: the stages carry the router statistics and
+    # ``aux_loss`` holds the last step's load-balancing loss (last-stage ranks, else None).
+    carries_router_load = False
+    aux_loss: Optional[torch.Tensor] = None
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All-gathers vocab-parallel logits (``vocab_parallel_logits=True``) over TP, padding dropped."""
@@ -398,13 +402,35 @@ class ParallelCausalLM(_ParallelMixin):
             return causal_lm_loss(logits, labels, self._lm_group(), vocab)
         return causal_lm_loss(logits, labels, self._lm_group(), vocab, reduction="sum") / num_items_in_batch
 
-    def _microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _microbatch_loss(self, output, labels: torch.Tensor) -> torch.Tensor:
         # The schedule weights a microbatch by its share of rows; dividing that back out and
         # summing over the batch's labelled tokens makes the total exactly the batch mean,
         # even when microbatches hold different numbers of ignored labels.
+        logits, load = (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
         total = causal_lm_loss(logits, labels, self._lm_group(), _config(self).vocab_size, reduction="sum",
                                shifted=self.context_parallel is not None)
-        return total / self._batch_tokens * (self._batch_rows / labels.size(0))
+        loss = total / self._batch_tokens * (self._batch_rows / labels.size(0))
+        if not load:
+            return loss
+        # The load-balancing loss of this microbatch over every data-parallel rank's rows, not
+        # rescaled: the schedule's weight makes the batch's sum_m w_m * coef * aux_m.
+        aux = self._microbatch_aux_loss(*load)
+        self._aux_parts.append(aux.detach() * (labels.size(0) / self._batch_rows))
+        return loss + self.router_aux_loss_coef * aux.to(loss.device)
+
+    def _microbatch_aux_loss(self, counts: torch.Tensor, prob_sum: torch.Tensor) -> torch.Tensor:
+        """transformers' load_balancing_loss_func of one microbatch over the data-parallel ranks
+        from the statistics its stages carried. The probability sums are all-gathered (their
+        gradient reduce-scattered: each rank's router gets the gradient of its own tokens times
+        dp, which the data-parallel average divides back out, as torchpp.expert_parallel.aux_loss)."""
+        from torchpp import ops
+        from torchpp.expert_parallel.router_load import load_balancing_loss
+
+        group = self.parallel_state.dp_group
+        if group is not None and group.size() > 1:
+            counts = ops.reduce_from_tp_region(counts, group)
+            prob_sum = ops.gather_from_sp_region(prob_sum.unsqueeze(0), group, dim=0).sum(0)
+        return load_balancing_loss(counts, prob_sum)
 
     def step(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
              losses: Optional[list] = None, attention_mask: Optional[torch.Tensor] = None,
@@ -468,6 +494,7 @@ class ParallelCausalLM(_ParallelMixin):
         from torchpp.pipeline.microbatch import loss_weights, split_microbatches
 
         mine: list = []
+        self._aux_parts = []
         if self.has_last_stage and labels is not None:  # missing labels: the schedule raises on every rank
             self._batch_rows = labels.size(0)
             self._batch_tokens = int((shift_labels(labels) != IGNORE_INDEX).sum().clamp(min=1))
@@ -488,6 +515,8 @@ class ParallelCausalLM(_ParallelMixin):
             mine = list(parts.unbind())
         if losses is not None:
             losses.extend(mine)
+        if self.carries_router_load:
+            self.aux_loss = self._batch_aux_loss()
         if not mine:
             return None
         weights = loss_weights(split_microbatches(labels, self.schedule.num_microbatches))
@@ -497,6 +526,15 @@ class ParallelCausalLM(_ParallelMixin):
             dist.all_reduce(loss, group=self.loss_group)
         return loss
 
+
+    def _batch_aux_loss(self) -> Optional[torch.Tensor]:
+        """The batch's load-balancing loss, sum_m w_m aux_m (ranks holding the last stage)."""
+        if not self.has_last_stage or not self._aux_parts:
+            return None
+        aux = torch.stack(self._aux_parts).sum()
+        if self.loss_group is not None:  # DualPipe: each end rank computed its pipeline's half
+            dist.all_reduce(aux, group=self.loss_group)
+        return aux
 
     def _shard_for_pipeline(self, cp, input_ids, labels, position_ids, attention_mask):
         """(input_ids, shifted targets, position ids, None): this rank's shard of the sequence."""
@@ -672,7 +710,7 @@ def parallelize(
                         f"of module-name globs to styles, e.g. {{'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}})")
     causal_lm = hf and model.get_output_embeddings() is not None
     if getattr(_config(model), "output_router_logits", False):  # before anything changes
-        _check_aux_loss(state)
+        _check_aux_loss(state, sequence_parallel)
     if state.cp > 1 and not causal_lm:
         raise PlanError(f"torchpp.parallelize: cp={state.cp} shards the sequence of a transformers causal LM; "
                         f"{type(model).__name__} is not one (use torchpp.context_parallel's ops in your own model)")
@@ -711,7 +749,7 @@ def parallelize(
 
         ep_ctx = EPContext(state.ep_group, capacity_factor=capacity_factor)
         apply_ep_plan(model, ep_plan, ep_ctx)
-    if hf and state.dp * state.cp > 1:
+    if hf and state.dp * state.cp > 1 and state.pp == 1:  # under a pipeline the loss sums the carried statistics
         from torchpp.expert_parallel import gather_router_logits
 
         gather_router_logits(model, state.dp_cp_group or state.dp_group)
@@ -773,6 +811,8 @@ def parallelize(
         model.loss_function = model._vocab_parallel_loss
 
     first, last = 0, num_stages - 1
+    if state.pp > 1 and causal_lm and getattr(_config(model), "output_router_logits", False):
+        _carry_router_load(model, stages)
     if state.pp > 1:
         embedding_tied = [p for p in tied if any(p is q for q in model.parameters())]
         if embedding_tied and rank_of[first] != rank_of[last] and num_pipelines == 1:
@@ -787,6 +827,20 @@ def parallelize(
         _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, state, sequence_parallel,
                         grad_scaler, causal_lm, loss_fn, split_bw, overlap)
     return model
+
+
+def _carry_router_load(model: nn.Module, stages: Dict[int, ModelStage]) -> None:
+    """The stages carry the router statistics of the load-balancing loss, which the last stage's
+    loss adds per microbatch (torchpp.expert_parallel.router_load)."""
+    from torchpp.expert_parallel.router_load import aux_loss_shape, record_router_load
+
+    shape = aux_loss_shape(model)
+    if shape is None:  # a causal LM without transformers' aux loss (DeepSeek-V3's) adds none at pp=1 either
+        return
+    record_router_load(model)
+    for stage in stages.values():
+        stage.router_load = shape
+    model.carries_router_load = True
 
 
 def _apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, num_layers: int) -> None:

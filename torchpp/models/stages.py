@@ -133,6 +133,9 @@ class ModelStage(nn.Module):
         self.after = nn.ModuleList(get_submodule(model, p) for p in layout.after) if last else None
         self._incoming: Optional[torch.Tensor] = None
         self._active = False
+        # (number of experts, top-k) when the stages carry the router statistics of the MoE
+        # load-balancing loss (set by parallelize), else None.
+        self.router_load: Optional[Tuple[int, int]] = None
         # Layers of this rank's other stages are set aside while this stage runs the stack.
         self._others: Dict[int, nn.Module] = {}
         if hf:
@@ -174,6 +177,26 @@ class ModelStage(nn.Module):
     def forward(self, x: torch.Tensor, *rest: torch.Tensor, **kwargs):
         if not self.hf:
             return self._sequential(x, *rest, **kwargs)
+        if self.router_load is None:
+            return self._hf_forward(x, *rest, **kwargs)
+        # The MoE load-balancing loss: router statistics travel at the end of every stage's
+        # output (torchpp.expert_parallel.router_load); the first stage starts from none.
+        from torchpp.expert_parallel.router_load import accumulating, starting_load, RouterLoad
+
+        num_experts, top_k = self.router_load
+        if self.first:
+            load = starting_load(num_experts, top_k, x.device)
+            _refuse_padding(kwargs.get("attention_mask"))
+        else:
+            *rest, counts, prob_sum = rest
+            load = RouterLoad(counts, prob_sum, top_k)
+        # transformers' own aux loss of a stage's layers alone would be wrong and unused.
+        with accumulating(load):
+            output = self._hf_forward(x, *rest, output_router_logits=False, **kwargs)
+        output = output if isinstance(output, tuple) else (output,)
+        return output + (load.counts, load.prob_sum)
+
+    def _hf_forward(self, x: torch.Tensor, *rest: torch.Tensor, **kwargs):
         model = self._model
         if self.first:
             position_ids = kwargs.pop("position_ids", None)
@@ -220,6 +243,17 @@ class ModelStage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage {self.index}: layers [{self.layer_range[0]}, {self.layer_range[1]})"
+
+
+def _refuse_padding(attention_mask: Optional[torch.Tensor]) -> None:
+    # The carried statistics are transformers' unmasked reductions; a mask without padding
+    # gives the same numbers, padding would need the masked ones.
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise NotImplementedError(
+            "torchpp: the MoE load-balancing loss under a pipeline counts every token of a microbatch, and "
+            f"this attention_mask pads {int((~attention_mask.bool()).sum())} of its {attention_mask.numel()} "
+            "tokens, which transformers would leave out; pack the rows without padding (attention_mask all "
+            "ones, or None)")
 
 
 def _base_model(model: nn.Module) -> nn.Module:

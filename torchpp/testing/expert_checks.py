@@ -138,3 +138,61 @@ def _check_ep_pp(model_type: str, ep: int, pp: int, schedule: str, n_microbatche
     compared = _compare_grads(wrapped, ref_grads, what)
     _compare_values(wrapped, reference, what)
     return f"{compared} grads on this rank"
+
+
+def check_pp_aux_loss(model_type: str, ep: int = 2, pp: int = 2, schedule: str = "zb-h1", n_microbatches: int = 2,
+                      **options) -> str:
+    """The load-balancing loss under a pipeline (output_router_logits=True): ``step`` on each
+    data-parallel rank's slice equals the unwrapped model under gradient accumulation over the
+    GLOBAL microbatches (microbatch m of every data-parallel rank, in dp order): the aux loss
+    ``model.aux_loss`` (mean of the microbatches' aux losses), the loss (mean over dp), the reduced
+    gradients and one SGD step."""
+    with float64_throughout():
+        return _check_pp_aux_loss(model_type, ep, pp, schedule, n_microbatches, **options)
+
+
+def _check_pp_aux_loss(model_type: str, ep: int, pp: int, schedule: str, n_microbatches: int, recompute=None,
+                       **extra) -> str:
+    state = torchpp.init_parallel(pp=pp, ep=ep)
+    model = tiny_model(model_type, output_router_logits=True, router_aux_loss_coef=AUX_COEF, **extra)
+    reference = copy.deepcopy(model)
+    m_count, dp = n_microbatches, state.dp
+    ids, labels = full_batch(model.config.vocab_size, rows=dp * m_count)  # a row per microbatch and dp rank
+    reference.loss_function = exact_causal_lm_loss
+    ref_losses, ref_aux = [], []
+    for m in range(m_count):  # global microbatch m: row m of every data-parallel rank's slice
+        rows = [d * m_count + m for d in range(dp)]
+        out = reference(input_ids=ids[rows], labels=labels[rows], use_cache=False)
+        (out.loss / m_count).backward()  # out.loss = LM loss + coef * aux_m, as transformers adds it
+        ref_losses.append(out.loss.detach())
+        ref_aux.append(out.aux_loss.detach())
+    ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
+    _sgd(reference.parameters())
+
+    wrapped = parallelize(model, state=state, ep=ep, schedule=schedule, n_microbatches=n_microbatches,
+                          recompute=recompute)
+    optimizer = DistributedOptimizer(wrapped.named_parameters(), torch.optim.SGD, state, lr=LR,
+                                     accumulations_per_step=n_microbatches)
+    optimizer.zero_grad()
+    mine = slice(state.dp_rank * m_count, (state.dp_rank + 1) * m_count)
+    loss = wrapped.step(ids[mine] if wrapped.has_first_stage else None,
+                        labels[mine] if wrapped.has_last_stage else None)
+    what = f"{model_type} ep={ep} pp={pp} {schedule}{' recompute=' + recompute if recompute else ''} aux loss"
+    aux = "no last stage"
+    if wrapped.has_last_stage:
+        expected_aux = torch.stack(ref_aux).mean()
+        assert_close(wrapped.aux_loss, expected_aux, f"{what}: model.aux_loss")  # float32, as transformers'
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, group=state.dp_group)
+        # The aux part is a float32 quantity (transformers computes it so), summed here in
+        # another order than the unwrapped model's: float32's precision on it, float64's on the rest.
+        expected = torch.stack(ref_losses).mean()
+        if not torch.allclose(mean_loss / dp, expected, rtol=1e-7, atol=0):
+            raise AssertionError(f"{what}: loss {mean_loss.item() / dp!r} != {expected.item()!r}")
+        aux = f"aux {wrapped.aux_loss.item():.6f}"
+    else:
+        assert wrapped.aux_loss is None, wrapped.aux_loss
+    optimizer.step()
+    compared = _compare_grads(wrapped, ref_grads, what)
+    _compare_values(wrapped, reference, what)
+    return f"{aux}, {compared} grads on this rank"
