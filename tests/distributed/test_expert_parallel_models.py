@@ -132,3 +132,11 @@ def test_aux_loss_under_pp_equals_gradient_accumulation(ranks, model_type, sched
                            n_microbatches=n_microbatches, timeout=TIMEOUT_S)
     # DualPipe: both end ranks hold a last stage (DualPipe-V: rank 0 alone).
     assert sum("aux " in r for r in results) == (4 if schedule == "dualpipe" else 2), results
+
+
+def test_aux_loss_under_pp_without_ep_and_recomputed(ranks):
+    # ep=1 (dp=2 x pp=2): the carried statistics do not depend on expert parallelism; recompute="full"
+    # re-runs each layer's routers in backward, which must save what their forward saved.
+    results = ranks(4).run(check_pp_aux_loss, "mixtral", ep=1, pp=2, schedule="1f1b", n_microbatches=2,
+                           recompute="full", timeout=TIMEOUT_S)
+    assert sum("aux " in r for r in results) == 2, results
