@@ -140,3 +140,36 @@ def test_aux_loss_under_pp_without_ep_and_recomputed(ranks):
     results = ranks(4).run(check_pp_aux_loss, "mixtral", ep=1, pp=2, schedule="1f1b", n_microbatches=2,
                            recompute="full", timeout=TIMEOUT_S)
     assert sum("aux " in r for r in results) == 2, results
+
+
+def check_aux_loss_under_pp_refusals():
+    import pytest
+    import torch
+    import torchpp
+    from torchpp.models import parallelize
+    from torchpp.testing.tiny_models import tiny_model
+
+    state = torchpp.init_parallel(pp=2, tp=2)  # a sequence-parallel router would count its slice alone
+    with pytest.raises(NotImplementedError, match=r"\(pp=2\) is not supported with sequence_parallel=True and tp=2"):
+        parallelize(tiny_model("mixtral", output_router_logits=True), state=state, sequence_parallel=True)
+    state = torchpp.init_parallel(pp=2)  # dp=2
+    model = parallelize(tiny_model("mixtral", output_router_logits=True), state=state, schedule="1f1b",
+                        n_microbatches=2)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    first, last = (ids if model.has_first_stage else None), (ids if model.has_last_stage else None)
+    # A mask without padding gives the unmasked statistics: the same loss and aux loss.
+    plain = model.eval_step(first, last)
+    plain_aux = model.aux_loss
+    masked = model.eval_step(first, last, attention_mask=torch.ones_like(ids) if model.has_first_stage else None)
+    if model.has_last_stage:
+        assert torch.equal(plain, masked) and torch.equal(plain_aux, model.aux_loss) and plain_aux > 0
+    else:
+        assert plain is None and model.aux_loss is None
+    padded = torch.tensor([[0] * 2 + [1] * 6, [1] * 8])
+    with pytest.raises(Exception, match="this attention_mask pads 2 of its 8 tokens"):
+        model.eval_step(first, last, attention_mask=padded if model.has_first_stage else None)
+    return True
+
+
+def test_aux_loss_under_pp_refuses_what_it_cannot_count(ranks):
+    assert ranks(4).run(check_aux_loss_under_pp_refusals) == [True] * 4
