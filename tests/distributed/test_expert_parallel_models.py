@@ -2,7 +2,9 @@
 rank holds E/ep whole experts and its own slice of the batch; the mean loss, the load-balancing
 loss (output_router_logits=True), the reduced gradients and one optimizer step equal the
 unwrapped model's on the whole batch (torchpp.testing.expert_checks, float64). Shared experts
-(Qwen2-MoE, DeepSeek-V3) stay replicated; DeepSeek-V3's causal LM has no aux loss."""
+(Qwen2-MoE, DeepSeek-V3) stay replicated; DeepSeek-V3's causal LM has no aux loss. Under a
+pipeline the aux loss is per microbatch: equal to the unwrapped model with gradient accumulation
+over the global microbatches (check_pp_aux_loss)."""
 import pytest
 
 from torchpp.testing.expert_checks import check_ep, check_ep_pp, check_pp_aux_loss

@@ -445,7 +445,9 @@ class ParallelCausalLM(_ParallelMixin):
             losses: if a list, per-microbatch losses are appended (last-stage ranks; under
                 DualPipe each end rank has its pipeline's half); under a pipeline each is its
                 tokens' loss sum over the batch's labelled tokens, divided by the microbatch's
-                share of rows, so their share-weighted sum is the batch loss.
+                share of rows (plus, with ``output_router_logits``, ``router_aux_loss_coef``
+                times the microbatch's load-balancing loss), so their share-weighted sum is the
+                batch loss.
             attention_mask: [b, s], 1 for tokens and 0 for padding, on ranks holding the first
                 stage; it travels down the pipeline with the hidden states.
             position_ids: [b, s] (or [1, s]) positions, on ranks holding the first stage;
@@ -673,7 +675,12 @@ def parallelize(
             holds E/ep whole experts of every MoE layer (the model's ``base_model_ep_plan``), tokens
             reach them by all-to-all (torchpp.expert_parallel); the routers stay replicated. Each
             data-parallel rank feeds its own batch slice; with ``output_router_logits`` the
-            load-balancing loss is the whole batch's (router logits all-gathered over dp x cp).
+            load-balancing loss is the whole batch's (router logits all-gathered over dp x cp). Under
+            a pipeline (pp > 1) it is per microbatch, as under gradient accumulation: microbatch
+            m's loss adds ``router_aux_loss_coef`` times transformers' aux loss of the m-th
+            microbatch of every data-parallel rank (router statistics travel down the pipeline
+            with the hidden states, torchpp.expert_parallel.router_load); ``model.aux_loss`` then
+            holds the batch's, sum_m w_m aux_m, on last-stage ranks.
         capacity_factor: None (dropless, default) or each expert's capacity as a factor of an even
             share of a rank's routed pairs; dropped pairs per experts module: ``model.ep_dropped``.
         expert_tensor_parallel: with tp > 1 and ep > 1, also split each expert over TP (the TP plan's

@@ -109,7 +109,10 @@ class ModelStage(nn.Module):
     the hidden states leaving its last layer, with, for a transformers model, the position ids
     and attention mask behind them (integer tensors travel forward with the hidden states, so a
     later stage builds the same masks and rotary tables); the last returns what the model
-    returns (its logits, for a causal LM).
+    returns (its logits, for a causal LM). With ``router_load`` set (the MoE load-balancing
+    loss, torchpp.expert_parallel.router_load), every stage's output ends with the router
+    statistics so far, counts int64 [E + 1] and probability sums float32 [E], which the next
+    stage takes from the end of its inputs (the last stage: (logits, counts, prob_sum)).
 
     Args:
         model: the whole model (this rank's part of it; not registered as a submodule, so the

@@ -104,8 +104,8 @@ def check_ep_pp(model_type: str, ep: int = 2, pp: int = 2, schedule: str = "zb-h
                 **extra) -> str:
     """ep x pp ranks: ``step`` over the pipeline on each data-parallel rank's batch slice; the
     loss (mean over dp, on the last stage), the reduced gradients and one SGD step equal the
-    unwrapped model's on the whole batch (no aux loss: transformers adds it in the causal LM's
-    forward, which a pipeline does not run whole)."""
+    unwrapped model's on the whole batch (without the aux loss, which is per microbatch under a
+    pipeline: ``check_pp_aux_loss``)."""
     with float64_throughout():
         return _check_ep_pp(model_type, ep, pp, schedule, n_microbatches, **extra)
 
