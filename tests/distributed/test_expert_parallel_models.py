@@ -136,11 +136,13 @@ def test_aux_loss_under_pp_equals_gradient_accumulation(ranks, model_type, sched
     assert sum("aux " in r for r in results) == (4 if schedule == "dualpipe" else 2), results
 
 
-def test_aux_loss_under_pp_without_ep_and_recomputed(ranks):
-    # ep=1 (dp=2 x pp=2): the carried statistics do not depend on expert parallelism; recompute="full"
-    # re-runs each layer's routers in backward, which must save what their forward saved.
-    results = ranks(4).run(check_pp_aux_loss, "mixtral", ep=1, pp=2, schedule="1f1b", n_microbatches=2,
-                           recompute="full", timeout=TIMEOUT_S)
+@pytest.mark.parametrize("options", [dict(schedule="1f1b", recompute="full"), dict(schedule="zb-h1", tp=2)],
+                         ids=["dp2-recompute", "tp2"])
+def test_aux_loss_under_pp_without_ep(ranks, options):
+    # ep=1, pp=2: the carried statistics do not depend on expert parallelism. dp=2 with
+    # recompute="full": each layer's routers re-run in backward and must save what their forward
+    # saved. tp=2 (dp=1): the statistics travel split over TP ranks (scatter/gather P2P).
+    results = ranks(4).run(check_pp_aux_loss, "mixtral", ep=1, pp=2, n_microbatches=2, timeout=TIMEOUT_S, **options)
     assert sum("aux " in r for r in results) == 2, results
 
 

@@ -123,8 +123,8 @@ def record_router_load(model: nn.Module) -> List[object]:
         num_experts, top_k = (load.num_experts, load.top_k) if load is not None else shape
         assigned, prob_sum = layer_statistics(logits, num_experts, top_k)
         if load is not None:
-            rows = torch.tensor([logits.shape[0]], dtype=torch.int64, device=load.counts.device)
-            load.counts = load.counts + torch.cat([assigned.to(torch.int64), rows])
+            # The rows join as a padded constant: no host-to-device copy per layer.
+            load.counts = load.counts + torch.nn.functional.pad(assigned.to(torch.int64), (0, 1), value=logits.shape[0])
             load.prob_sum = load.prob_sum + prob_sum
         return None
 

@@ -152,8 +152,8 @@ def check_pp_aux_loss(model_type: str, ep: int = 2, pp: int = 2, schedule: str =
 
 
 def _check_pp_aux_loss(model_type: str, ep: int, pp: int, schedule: str, n_microbatches: int, recompute=None,
-                       **extra) -> str:
-    state = torchpp.init_parallel(pp=pp, ep=ep)
+                       tp: int = 1, **extra) -> str:
+    state = torchpp.init_parallel(pp=pp, ep=ep, tp=tp)
     model = tiny_model(model_type, output_router_logits=True, router_aux_loss_coef=AUX_COEF, **extra)
     reference = copy.deepcopy(model)
     m_count, dp = n_microbatches, state.dp
@@ -177,7 +177,7 @@ def _check_pp_aux_loss(model_type: str, ep: int, pp: int, schedule: str, n_micro
     mine = slice(state.dp_rank * m_count, (state.dp_rank + 1) * m_count)
     loss = wrapped.step(ids[mine] if wrapped.has_first_stage else None,
                         labels[mine] if wrapped.has_last_stage else None)
-    what = f"{model_type} ep={ep} pp={pp} {schedule}{' recompute=' + recompute if recompute else ''} aux loss"
+    what = f"{model_type} ep={ep} pp={pp} tp={tp} {schedule}{' recompute=' + recompute if recompute else ''} aux loss"
     aux = "no last stage"
     if wrapped.has_last_stage:
         expected_aux = torch.stack(ref_aux).mean()
