@@ -136,12 +136,13 @@ def test_aux_loss_under_pp_equals_gradient_accumulation(ranks, model_type, sched
     assert sum("aux " in r for r in results) == (4 if schedule == "dualpipe" else 2), results
 
 
-@pytest.mark.parametrize("options", [dict(schedule="1f1b", recompute="full"), dict(schedule="zb-h1", tp=2)],
-                         ids=["dp2-recompute", "tp2"])
+@pytest.mark.parametrize("options", [dict(schedule="1f1b", recompute="full", padded=True), dict(schedule="zb-h1", tp=2)],
+                         ids=["dp2-padded-recompute", "tp2"])
 def test_aux_loss_under_pp_without_ep(ranks, options):
-    # ep=1, pp=2: the carried statistics do not depend on expert parallelism. dp=2 with
-    # recompute="full": each layer's routers re-run in backward and must save what their forward
-    # saved. tp=2 (dp=1): the statistics travel split over TP ranks (scatter/gather P2P).
+    # ep=1, pp=2: the carried statistics do not depend on expert parallelism. dp=2 with padding
+    # (transformers' masked counts) and recompute="full": each layer's routers re-run in backward,
+    # without the mask, and must save what their forward saved. tp=2 (dp=1): the statistics
+    # travel split over TP ranks (scatter/gather P2P).
     results = ranks(4).run(check_pp_aux_loss, "mixtral", ep=1, pp=2, n_microbatches=2, timeout=TIMEOUT_S, **options)
     assert sum("aux " in r for r in results) == 2, results
 
@@ -169,9 +170,9 @@ def check_aux_loss_under_pp_refusals():
         assert torch.equal(plain, masked) and torch.equal(plain_aux, model.aux_loss) and plain_aux > 0
     else:
         assert plain is None and model.aux_loss is None
-    padded = torch.tensor([[0] * 2 + [1] * 6, [1] * 8])
-    with pytest.raises(Exception, match="this attention_mask pads 2 of its 8 tokens"):
-        model.eval_step(first, last, attention_mask=padded if model.has_first_stage else None)
+    square = torch.ones(2, 1, 8, 8)  # transformers' loss reads a [batch, seq] mask
+    with pytest.raises(Exception, match=r"by a 2D \[batch, seq\] attention_mask, .* shape \[1, 1, 8, 8\]"):
+        model.eval_step(first, last, attention_mask=square if model.has_first_stage else None)
     return True
 
 

@@ -32,10 +32,12 @@ _running = threading.local()
 
 
 class RouterLoad:
-    """One microbatch's running router statistics on one stage."""
+    """One microbatch's running router statistics on one stage; ``mask``: the microbatch's
+    attention mask flattened to float32 [rows] (transformers then counts unmasked rows alone),
+    or None."""
 
-    def __init__(self, counts: torch.Tensor, prob_sum: torch.Tensor, top_k: int):
-        self.counts, self.prob_sum, self.top_k = counts, prob_sum, top_k
+    def __init__(self, counts: torch.Tensor, prob_sum: torch.Tensor, top_k: int, mask: Optional[torch.Tensor] = None):
+        self.counts, self.prob_sum, self.top_k, self.mask = counts, prob_sum, top_k, mask
 
     @property
     def num_experts(self) -> int:
@@ -63,15 +65,37 @@ def starting_load(num_experts: int, top_k: int, device) -> RouterLoad:
                       torch.zeros(num_experts, dtype=torch.float32, device=device), top_k)
 
 
-def layer_statistics(router_logits: torch.Tensor, num_experts: int, top_k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(top-k assignments per expert [E] float32, router probability sums [E] float32) of one
-    layer's logits [rows, E]: load_balancing_loss_func's unmasked reductions, op for op."""
+class _MaskedRowSum(torch.autograd.Function):
+    """(probs * mask[:, None]).sum(0), transformers' masked probability sum, with the mask kept
+    on ctx rather than saved for backward: a checkpointed layer recomputed in backward (which
+    knows no mask) then saves what its forward saved, and the backward still uses the mask."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ctx.mask = mask
+        return (probs * mask.unsqueeze(-1)).sum(dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.unsqueeze(0) * ctx.mask.unsqueeze(-1), None
+
+
+def layer_statistics(router_logits: torch.Tensor, num_experts: int, top_k: int,
+                     mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, object]:
+    """(top-k assignments per expert [E] float32, router probability sums [E] float32, rows)
+    of one layer's logits [rows, E]: load_balancing_loss_func's reductions, op for op (the
+    masked ones where ``mask``, float32 [rows], is given)."""
     routing_weights = torch.nn.functional.softmax(router_logits, dim=-1)
     _, selected_experts = torch.topk(routing_weights, top_k, dim=-1)
-    # transformers' choice: histc counts floats on CPU/MPS, ints elsewhere (determinism).
-    histc_dtype = torch.float32 if router_logits.device.type in ("cpu", "mps") else torch.int32
-    assigned = torch.histc(selected_experts.reshape(-1).to(histc_dtype), bins=num_experts, min=0, max=num_experts)
-    return assigned, routing_weights.float().sum(dim=0)
+    if mask is None:
+        # transformers' choice: histc counts floats on CPU/MPS, ints elsewhere (determinism).
+        histc_dtype = torch.float32 if router_logits.device.type in ("cpu", "mps") else torch.int32
+        assigned = torch.histc(selected_experts.reshape(-1).to(histc_dtype), bins=num_experts, min=0,
+                               max=num_experts)
+        return assigned, routing_weights.float().sum(dim=0), routing_weights.shape[0]
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=router_logits.device).scatter_add_(
+        0, selected_experts.reshape(-1), mask.repeat_interleave(top_k))
+    return assigned, _MaskedRowSum.apply(routing_weights.float(), mask), mask.sum()
 
 
 def load_balancing_loss(counts: torch.Tensor, prob_sum: torch.Tensor) -> torch.Tensor:
@@ -121,10 +145,19 @@ def record_router_load(model: nn.Module) -> List[object]:
         # Computed even with no stage running: a checkpointed layer recomputed in backward must
         # save the same tensors as its forward did.
         num_experts, top_k = (load.num_experts, load.top_k) if load is not None else shape
-        assigned, prob_sum = layer_statistics(logits, num_experts, top_k)
+        mask = load.mask if load is not None else None
+        if mask is not None and mask.numel() != logits.shape[0]:
+            raise ValueError(f"torchpp: the attention_mask's {mask.numel()} tokens do not match the {logits.shape[0]} "
+                             f"rows of {type(module).__name__}'s router logits")
+        assigned, prob_sum, rows = layer_statistics(logits, num_experts, top_k, mask)
         if load is not None:
-            # The rows join as a padded constant: no host-to-device copy per layer.
-            load.counts = load.counts + torch.nn.functional.pad(assigned.to(torch.int64), (0, 1), value=logits.shape[0])
+            # Exact integers (the masked ones too: sums of ones); an int row count joins as a
+            # padded constant, a masked one (a tensor) without a host sync.
+            if isinstance(rows, torch.Tensor):
+                counted = torch.cat([assigned, rows.reshape(1)]).to(torch.int64)
+            else:
+                counted = torch.nn.functional.pad(assigned.to(torch.int64), (0, 1), value=rows)
+            load.counts = load.counts + counted
             load.prob_sum = load.prob_sum + prob_sum
         return None
 

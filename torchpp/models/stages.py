@@ -189,10 +189,12 @@ class ModelStage(nn.Module):
         num_experts, top_k = self.router_load
         if self.first:
             load = starting_load(num_experts, top_k, x.device)
-            _refuse_padding(kwargs.get("attention_mask"))
+            mask = kwargs.get("attention_mask")
         else:
             *rest, counts, prob_sum = rest
             load = RouterLoad(counts, prob_sum, top_k)
+            mask = rest[1] if len(rest) > 1 else None
+        load.mask = _flat_token_mask(mask, x)
         # transformers' own aux loss of a stage's layers alone would be wrong and unused.
         with accumulating(load):
             output = self._hf_forward(x, *rest, output_router_logits=False, **kwargs)
@@ -248,15 +250,15 @@ class ModelStage(nn.Module):
         return f"stage {self.index}: layers [{self.layer_range[0]}, {self.layer_range[1]})"
 
 
-def _refuse_padding(attention_mask: Optional[torch.Tensor]) -> None:
-    # The carried statistics are transformers' unmasked reductions; a mask without padding
-    # gives the same numbers, padding would need the masked ones.
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise NotImplementedError(
-            "torchpp: the MoE load-balancing loss under a pipeline counts every token of a microbatch, and "
-            f"this attention_mask pads {int((~attention_mask.bool()).sum())} of its {attention_mask.numel()} "
-            "tokens, which transformers would leave out; pack the rows without padding (attention_mask all "
-            "ones, or None)")
+def _flat_token_mask(attention_mask: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """transformers' load-balancing loss counts the tokens of a 2D [batch, seq] attention mask
+    (float32, flattened as the router's rows), or every token without one."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"torchpp: the MoE load-balancing loss counts tokens by a 2D [batch, seq] attention_mask, "
+                         f"as transformers does; got one of shape {list(attention_mask.shape)}")
+    return attention_mask.reshape(-1).to(device=like.device, dtype=torch.float32)
 
 
 def _base_model(model: nn.Module) -> nn.Module:

@@ -152,17 +152,23 @@ def check_pp_aux_loss(model_type: str, ep: int = 2, pp: int = 2, schedule: str =
 
 
 def _check_pp_aux_loss(model_type: str, ep: int, pp: int, schedule: str, n_microbatches: int, recompute=None,
-                       tp: int = 1, **extra) -> str:
+                       tp: int = 1, padded: bool = False, **extra) -> str:
     state = torchpp.init_parallel(pp=pp, ep=ep, tp=tp)
     model = tiny_model(model_type, output_router_logits=True, router_aux_loss_coef=AUX_COEF, **extra)
     reference = copy.deepcopy(model)
     m_count, dp = n_microbatches, state.dp
     ids, labels = full_batch(model.config.vocab_size, rows=dp * m_count)  # a row per microbatch and dp rank
+    mask = None
+    if padded:  # right padding: row r's last r % 4 tokens (the aux loss leaves them out, as transformers)
+        mask = torch.ones_like(ids)
+        for r in range(ids.size(0)):
+            mask[r, SEQ - r % 4:] = 0
     reference.loss_function = exact_causal_lm_loss
     ref_losses, ref_aux = [], []
     for m in range(m_count):  # global microbatch m: row m of every data-parallel rank's slice
         rows = [d * m_count + m for d in range(dp)]
-        out = reference(input_ids=ids[rows], labels=labels[rows], use_cache=False)
+        out = reference(input_ids=ids[rows], labels=labels[rows], use_cache=False,
+                        attention_mask=None if mask is None else mask[rows])
         (out.loss / m_count).backward()  # out.loss = LM loss + coef * aux_m, as transformers adds it
         ref_losses.append(out.loss.detach())
         ref_aux.append(out.aux_loss.detach())
@@ -176,8 +182,9 @@ def _check_pp_aux_loss(model_type: str, ep: int, pp: int, schedule: str, n_micro
     optimizer.zero_grad()
     mine = slice(state.dp_rank * m_count, (state.dp_rank + 1) * m_count)
     loss = wrapped.step(ids[mine] if wrapped.has_first_stage else None,
-                        labels[mine] if wrapped.has_last_stage else None)
-    what = f"{model_type} ep={ep} pp={pp} tp={tp} {schedule}{' recompute=' + recompute if recompute else ''} aux loss"
+                        labels[mine] if wrapped.has_last_stage else None,
+                        attention_mask=mask[mine] if mask is not None and wrapped.has_first_stage else None)
+    what = f"{model_type} ep={ep} pp={pp} tp={tp} {schedule}{' padded' if padded else ''}{' recompute=' + recompute if recompute else ''} aux loss"
     aux = "no last stage"
     if wrapped.has_last_stage:
         expected_aux = torch.stack(ref_aux).mean()
