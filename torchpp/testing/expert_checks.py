@@ -146,7 +146,8 @@ def check_pp_aux_loss(model_type: str, ep: int = 2, pp: int = 2, schedule: str =
     data-parallel rank's slice equals the unwrapped model under gradient accumulation over the
     GLOBAL microbatches (microbatch m of every data-parallel rank, in dp order): the aux loss
     ``model.aux_loss`` (mean of the microbatches' aux losses), the loss (mean over dp), the reduced
-    gradients and one SGD step."""
+    gradients and one SGD step. ``padded``: rows end in padding (an attention mask), which
+    transformers' aux loss leaves out; ``tp``, ``recompute``: as parallelize's."""
     with float64_throughout():
         return _check_pp_aux_loss(model_type, ep, pp, schedule, n_microbatches, **options)
 
