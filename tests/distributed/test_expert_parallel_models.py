@@ -134,6 +134,9 @@ def test_aux_loss_under_pp_equals_gradient_accumulation(ranks, model_type, sched
                            n_microbatches=n_microbatches, timeout=TIMEOUT_S)
     # DualPipe: both end ranks hold a last stage (DualPipe-V: rank 0 alone).
     assert sum("aux " in r for r in results) == (4 if schedule == "dualpipe" else 2), results
+    # DualPipe's forward-backward overlap (the default there): the loss's dp collectives run in
+    # both threads, the backward's on the twin groups.
+    assert all(r.endswith("overlap on") == schedule.startswith("dualpipe") for r in results), results
 
 
 @pytest.mark.parametrize("options", [dict(schedule="1f1b", recompute="full", padded=True), dict(schedule="zb-h1", tp=2)],

@@ -203,4 +203,5 @@ def _check_pp_aux_loss(model_type: str, ep: int, pp: int, schedule: str, n_micro
     optimizer.step()
     compared = _compare_grads(wrapped, ref_grads, what)
     _compare_values(wrapped, reference, what)
-    return f"{aux}, {compared} grads on this rank"
+    overlap = "on" if wrapped.schedule.overlap_forward_backward else "off"
+    return f"{aux}, {compared} grads on this rank, overlap {overlap}"
