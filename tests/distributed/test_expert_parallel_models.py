@@ -125,14 +125,16 @@ def test_ep2_pp2_equals_unwrapped(ranks, model_type, schedule, n_microbatches):
 @pytest.mark.parametrize("model_type, schedule, n_microbatches", [("mixtral", "zb-h1", 2), ("qwen3_moe", "zb-h1", 2),
                                                                   ("mixtral", "dualpipe", 4),
                                                                   ("qwen3_moe", "dualpipe", 4),
-                                                                  ("mixtral", "dualpipe-v", 4)])
+                                                                  ("mixtral", "dualpipe-v", 4),
+                                                                  ("qwen3_moe", "interleaved-1f1b", 4)])
 def test_aux_loss_under_pp_equals_gradient_accumulation(ranks, model_type, schedule, n_microbatches):
     # output_router_logits=True at ep=2 x pp=2 (dp=2): each microbatch's loss holds the aux loss of
     # that microbatch over both dp ranks' rows (the router statistics travel down the pipeline);
     # equal to transformers over the global microbatches with gradient accumulation.
     results = ranks(4).run(check_pp_aux_loss, model_type, ep=2, pp=2, schedule=schedule,
                            n_microbatches=n_microbatches, timeout=TIMEOUT_S)
-    # DualPipe: both end ranks hold a last stage (DualPipe-V: rank 0 alone).
+    # DualPipe: both end ranks hold a last stage (DualPipe-V: rank 0 alone; interleaved: rank 1, with
+    # two stages a rank, the statistics handed between them locally).
     assert sum("aux " in r for r in results) == (4 if schedule == "dualpipe" else 2), results
     # DualPipe's forward-backward overlap (the default there): the loss's dp collectives run in
     # both threads, the backward's on the twin groups.
