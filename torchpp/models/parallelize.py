@@ -456,7 +456,9 @@ class ParallelCausalLM(_ParallelMixin):
 
         Returns:
             The batch's mean loss on ranks holding the last stage (DualPipe: both end ranks),
-            else None. A non-finite loss is returned as it is.
+            else None. A non-finite loss is returned as it is. Under a pipeline with
+            ``output_router_logits``, ``model.aux_loss`` then holds the batch's load-balancing
+            loss (sum_m w_m aux_m) on those ranks.
         """
         self._check_loaded()
         if self.schedule is None:
