@@ -26,8 +26,22 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional
 
+import torch
+
 # A plain rank's process group timeout: a case that hangs fails at this bound, not at gloo's 30 minutes.
 PLAIN_GROUP_TIMEOUT_S = 60
+
+
+class FailsBackward(torch.autograd.Function):
+    """Identity whose backward raises: a stage that fails in its backward pass."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom: backward failed on purpose")
 
 
 @dataclasses.dataclass

@@ -11,22 +11,11 @@ broken all-to-all and names where.
 import pytest
 import torch
 
-from fault_utils import assert_outcomes, run_case
+from fault_utils import FailsBackward, assert_outcomes, run_case
 
 WITHIN_S = 30.0
 N_MICROBATCHES = 4
 
-
-class FailsBackward(torch.autograd.Function):
-    """Identity whose backward raises."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("boom: backward failed on purpose")
 
 
 def _case(kind: str):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fault_utils import assert_outcomes, run_case
+from fault_utils import FailsBackward, assert_outcomes, run_case
 from torchpp import schedule as S
 from torchpp.pipeline import PipelineStage, build_schedule
 
@@ -28,17 +28,6 @@ FEATURES, BATCH, M = 8, 8, 4
 WITHIN_S = 10.0  # every case but the stuck peer ends well within this
 STUCK_TIMEOUT_S = 3.0
 
-
-class FailsBackward(torch.autograd.Function):
-    """Identity whose backward raises: a stage that fails in its backward pass."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("boom: backward failed on purpose")
 
 
 class Stage(nn.Module):
