@@ -43,15 +43,17 @@ Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
                     Layout layout, int64_t group_size, const char* op_name);
 
-// [b, hq, s, ...] -> one grouped tensor per piece, [b, hk, g * n, ...] in the accumulation dtype.
-std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes);
+// [b, hq, s, ...] -> one grouped tensor per piece, [b, hk, g * n, ...] in `dtype`.
+std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes, at::ScalarType dtype);
 // The inverse: pieces [b, hk, g * n, ...] -> [b, hq, s, ...] in `dtype`.
 at::Tensor join_queries(const std::vector<at::Tensor>& pieces, const Shapes& shapes, at::ScalarType dtype);
 
-// Which key positions a block of queries may see: `skip` when none, else an optional boolean
-// mask broadcastable to [b, hk, g, sq, sk] (undefined: all).
+// Which key positions a block of queries may see: `skip` when none; `causal` for a square block
+// on the diagonal (query i sees keys 0..i: the fused kernels' own causal mask); else an optional
+// boolean mask broadcastable to [b, hk, g, sq, sk] (undefined and not causal: all keys).
 struct BlockMask {
   bool skip = false;
+  bool causal = false;
   at::Tensor allowed;
 };
 
@@ -60,18 +62,38 @@ struct BlockMask {
 BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal,
                      const at::Tensor& q_segments, const at::Tensor& k_segments, c10::Device device);
 
-// Softmax attention of grouped queries against one key/value block: (out, lse), lse = -inf
-// (and out = 0) on rows that see no key.
+// How a block is computed. The fused kernels return the log-sum-exp and hold O(s) memory: the CPU
+// flash kernel, CUDA's flash (fp16/bf16) and memory-efficient (fp32) kernels. Matmul + softmax
+// holds the [sq, sk] scores and serves what they cannot: arbitrary masks (packed sequences),
+// fp64 on CUDA, head sizes the kernels reject.
+enum class BlockKernel { Matmul, FlashCpu, Flash, Efficient };
+
+const char* kernel_name(BlockKernel kernel);
+
+// The kernel for this block's shapes, dtype, device and mask (q grouped [b, hk, g * n, d]).
+// TORCHPP_CP_KERNEL=matmul forces the matmul path (the benchmark's baseline).
+BlockKernel choose_kernel(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes);
+
+// Softmax attention of grouped queries ([b, hk, g * n, d], input dtype) against one key/value
+// block: (out, lse) in the accumulation dtype, lse = -inf (and out = 0) on rows that see no key.
 std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const BlockMask& mask, double scale);
+                                                const BlockMask& mask, const Shapes& shapes);
 
 // Folds a block result into running (out, lse) by log-sum-exp.
 void merge_block(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, const at::Tensor& block_lse);
 
-// Adds one block's gradients given the merged lse and delta = rowsum(dout * out).
+// Adds one block's gradients to dq, dk, dv (accumulation dtype) given the merged output `out`
+// (input dtype) and log-sum-exp `lse`: P = exp(S - lse) is then this block's share of the softmax.
 void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
-                    const at::Tensor& lse, const at::Tensor& delta, const BlockMask& mask, double scale,
+                    const at::Tensor& out, const at::Tensor& lse, const BlockMask& mask, const Shapes& shapes,
                     at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
+// The fused kernels' forward and backward for one block (kernel != Matmul), same contracts.
+std::pair<at::Tensor, at::Tensor> fused_block_forward(BlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, bool causal, const Shapes& shapes);
+void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse, bool causal,
+                          const Shapes& shapes, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
 // Rows of `lse` that saw no key read as 0, so exp(s - lse) is 0 there instead of NaN.
 at::Tensor finite_lse(const at::Tensor& lse);

@@ -1,7 +1,9 @@
 // All-gather attention: every rank gathers the whole sequence's keys and values once and
 // attends its queries to the keys before them (causal) or to all; the backward gathers them
 // again (rather than keeping c times the key/value memory) and reduce-scatters their gradients.
+#include <limits>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -44,7 +46,7 @@ at::Tensor to_rank_major(const at::Tensor& global, int64_t dim, int64_t c, Layou
 }
 
 struct Gathered {
-  at::Tensor kv;        // [2, b, hk, S, d], accumulation dtype
+  at::Tensor kv;        // [2, b, hk, S, d], input dtype
   at::Tensor segments;  // [b, S] or undefined
 };
 
@@ -52,16 +54,11 @@ Gathered gather(c10d::ProcessGroup& group, const at::Tensor& k, const at::Tensor
                 const std::optional<at::Tensor>& segment_ids, Layout layout, const Shapes& shapes) {
   RECORD_FUNCTION("torchpp::all_gather_attention::gather", std::vector<c10::IValue>());
   Gathered g;
-  g.kv = to_global(all_gather_stacked(group, at::stack({k, v})), 3, layout, shapes).to(shapes.acc_dtype);
+  g.kv = to_global(all_gather_stacked(group, at::stack({k, v})), 3, layout, shapes);
   if (segment_ids.has_value() && segment_ids->defined()) {
     g.segments = to_global(all_gather_stacked(group, segment_ids->to(at::kLong)), 1, layout, shapes);
   }
   return g;
-}
-
-// Keys this query piece attends to: a prefix of the sequence (causal) or all of it.
-int64_t visible_keys(int64_t q_start, const Shapes& shapes, int64_t seq_len, bool causal) {
-  return causal ? q_start + shapes.piece_len : seq_len;
 }
 
 struct Setup {
@@ -85,11 +82,36 @@ Setup setup(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   return s;
 }
 
-BlockMask piece_mask(const Setup& s, int64_t i, int64_t keys, bool causal, const Gathered& g, c10::Device device) {
-  const int64_t n = s.shapes.piece_len;
-  const auto q_segments = s.my_segments.defined() ? s.my_segments.narrow(1, i * n, n) : at::Tensor();
-  const auto k_segments = g.segments.defined() ? g.segments.narrow(1, 0, keys) : at::Tensor();
-  return block_mask(s.mine[i] * n, n, 0, keys, causal, q_segments, k_segments, device);
+// Keys [start, start + len) of the gathered sequence and what query piece i may see of them.
+struct KeySpan {
+  int64_t start, len;
+  BlockMask mask;
+};
+
+// The key blocks of query piece i: all keys (full attention); under causal attention the keys
+// before the piece (no mask) and the square diagonal block (the kernels' causal mask), or one
+// masked block when segment ids keep packed sequences apart.
+std::vector<KeySpan> key_spans(const Setup& s, int64_t i, int64_t seq_len, bool causal, const Gathered& g,
+                               c10::Device device) {
+  const int64_t n = s.shapes.piece_len, q_start = s.mine[i] * n;
+  const bool packed = s.my_segments.defined();
+  const auto q_segments = packed ? s.my_segments.narrow(1, i * n, n) : at::Tensor();
+  auto span = [&](int64_t start, int64_t len) {
+    const auto k_segments = packed ? g.segments.narrow(1, start, len) : at::Tensor();
+    return KeySpan{start, len, block_mask(q_start, n, start, len, causal, q_segments, k_segments, device)};
+  };
+  if (!causal) {
+    return {span(0, seq_len)};
+  }
+  if (packed) {
+    return {span(0, q_start + n)};
+  }
+  std::vector<KeySpan> spans;
+  if (q_start > 0) {
+    spans.push_back(span(0, q_start));
+  }
+  spans.push_back(span(q_start, n));
+  return spans;
 }
 
 std::tuple<at::Tensor, at::Tensor> all_gather_attention_forward(
@@ -99,13 +121,18 @@ std::tuple<at::Tensor, at::Tensor> all_gather_attention_forward(
   const Setup s = setup(q, k, v, segment_ids, group_name, group_size, scale, layout_name);
   const Gathered g = gather(*s.group, k, v, segment_ids, s.layout, s.shapes);
   const int64_t seq_len = g.kv.size(3);
-  auto queries = split_queries(q, s.shapes);
+  auto queries = split_queries(q, s.shapes, q.scalar_type());
   std::vector<at::Tensor> outs, lses;
   RECORD_FUNCTION("torchpp::all_gather_attention::block", std::vector<c10::IValue>());
   for (int64_t i = 0; i < s.shapes.pieces; ++i) {
-    const int64_t keys = visible_keys(s.mine[i] * s.shapes.piece_len, s.shapes, seq_len, causal);
-    auto [out, lse] = block_forward(queries[i], g.kv[0].narrow(2, 0, keys), g.kv[1].narrow(2, 0, keys),
-                                    piece_mask(s, i, keys, causal, g, q.device()), s.shapes.scale);
+    const auto acc = queries[i].options().dtype(s.shapes.acc_dtype);
+    auto out = at::zeros(queries[i].sizes(), acc);
+    auto lse = at::full(queries[i].sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), acc);
+    for (const auto& span : key_spans(s, i, seq_len, causal, g, q.device())) {
+      auto [block_out, block_lse] = block_forward(queries[i], g.kv[0].narrow(2, span.start, span.len),
+                                                  g.kv[1].narrow(2, span.start, span.len), span.mask, s.shapes);
+      merge_block(out, lse, block_out, block_lse);
+    }
     outs.push_back(out);
     lses.push_back(lse);
   }
@@ -119,22 +146,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_attention_backward(
   const Setup s = setup(q, k, v, segment_ids, group_name, group_size, scale, layout_name);
   const Gathered g = gather(*s.group, k, v, segment_ids, s.layout, s.shapes);
   const int64_t seq_len = g.kv.size(3);
-  auto queries = split_queries(q, s.shapes);
-  auto grads = split_queries(grad_out, s.shapes);
-  auto lses = split_queries(lse, s.shapes);
-  auto outs = split_queries(out, s.shapes);
-  auto kv_grads = at::zeros_like(g.kv);
+  auto queries = split_queries(q, s.shapes, q.scalar_type());
+  auto grads = split_queries(grad_out, s.shapes, q.scalar_type());
+  auto lses = split_queries(lse, s.shapes, s.shapes.acc_dtype);
+  auto outs = split_queries(out, s.shapes, q.scalar_type());
+  auto kv_grads = at::zeros(g.kv.sizes(), g.kv.options().dtype(s.shapes.acc_dtype));
   std::vector<at::Tensor> dqs;
   {
     RECORD_FUNCTION("torchpp::all_gather_attention::block_backward", std::vector<c10::IValue>());
     for (int64_t i = 0; i < s.shapes.pieces; ++i) {
-      const int64_t keys = visible_keys(s.mine[i] * s.shapes.piece_len, s.shapes, seq_len, causal);
-      auto dq = at::zeros_like(queries[i]);
-      auto dk = kv_grads[0].narrow(2, 0, keys);
-      auto dv = kv_grads[1].narrow(2, 0, keys);
-      block_backward(queries[i], g.kv[0].narrow(2, 0, keys), g.kv[1].narrow(2, 0, keys), grads[i], lses[i],
-                     (grads[i] * outs[i]).sum(-1), piece_mask(s, i, keys, causal, g, q.device()), s.shapes.scale, dq,
-                     dk, dv);
+      auto dq = at::zeros(queries[i].sizes(), queries[i].options().dtype(s.shapes.acc_dtype));
+      for (const auto& span : key_spans(s, i, seq_len, causal, g, q.device())) {
+        auto dk = kv_grads[0].narrow(2, span.start, span.len);
+        auto dv = kv_grads[1].narrow(2, span.start, span.len);
+        block_backward(queries[i], g.kv[0].narrow(2, span.start, span.len), g.kv[1].narrow(2, span.start, span.len),
+                       grads[i], outs[i], lses[i], span.mask, s.shapes, dq, dk, dv);
+      }
       dqs.push_back(dq);
     }
   }

@@ -1,5 +1,6 @@
-// Shared pieces of context-parallel attention: layouts, input checks, the block attention math
-// (forward with log-sum-exp, merge, flash-style backward) and the ring's paired send/receive.
+// Shared pieces of context-parallel attention: layouts, input checks, block masks, the matmul
+// path's block math (forward with log-sum-exp, flash-style backward), the log-sum-exp merge and
+// the ring's paired send/receive.
 #include "ops/context_parallel.h"
 
 #include <cmath>
@@ -78,7 +79,7 @@ Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return shapes;
 }
 
-std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes) {
+std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes, at::ScalarType dtype) {
   auto rest = t.sizes().slice(3).vec();  // head_dim, or nothing for the log-sum-exp
   std::vector<int64_t> grouped{shapes.batch, shapes.kv_heads, shapes.groups, shapes.s_local};
   grouped.insert(grouped.end(), rest.begin(), rest.end());
@@ -88,7 +89,7 @@ std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes)
   std::vector<at::Tensor> pieces;
   for (int64_t p = 0; p < shapes.pieces; ++p) {
     pieces.push_back(
-        view.narrow(3, p * shapes.piece_len, shapes.piece_len).to(shapes.acc_dtype).reshape(folded).contiguous());
+        view.narrow(3, p * shapes.piece_len, shapes.piece_len).to(dtype).reshape(folded).contiguous());
   }
   return pieces;
 }
@@ -115,13 +116,19 @@ BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, b
     mask.skip = true;  // every key lies after every query
     return mask;
   }
-  if (causal && k_start + sk - 1 > q_start) {
+  const bool packed = q_segments.defined() && k_segments.defined();
+  const bool partly_after = causal && k_start + sk - 1 > q_start;  // some key lies after some query
+  if (partly_after && !packed && q_start == k_start && sq == sk) {
+    mask.causal = true;  // the diagonal block: the kernels' causal mask, no tensor
+    return mask;
+  }
+  if (partly_after) {
     auto opts = at::TensorOptions().dtype(at::kLong).device(device);
     auto q_pos = at::arange(q_start, q_start + sq, opts).view({sq, 1});
     auto k_pos = at::arange(k_start, k_start + sk, opts).view({1, sk});
     mask.allowed = k_pos.le(q_pos).view({1, 1, 1, sq, sk});
   }
-  if (q_segments.defined() && k_segments.defined()) {
+  if (packed) {
     const int64_t b = q_segments.size(0);
     auto same = q_segments.view({b, 1, 1, sq, 1}).eq(k_segments.view({b, 1, 1, 1, sk}));
     mask.allowed = mask.allowed.defined() ? mask.allowed.logical_and(same) : same;
@@ -135,26 +142,59 @@ at::Tensor finite_lse(const at::Tensor& lse) {
 
 namespace {
 
+// The mask as a tensor for the matmul path (the causal diagonal built here), or undefined.
+at::Tensor mask_tensor(const BlockMask& mask, int64_t sq, int64_t sk, c10::Device device) {
+  if (!mask.causal) {
+    return mask.allowed;
+  }
+  return at::ones({sq, sk}, at::TensorOptions().dtype(at::kBool).device(device)).tril().view({1, 1, 1, sq, sk});
+}
+
 // q k^T * scale with disallowed keys at -inf: [b, hk, g * sq, sk].
-at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, double scale) {
-  auto s = at::matmul(q, k.transpose(-1, -2)).mul_(scale);
-  if (mask.allowed.defined()) {
-    const int64_t sq = mask.allowed.size(-2), sk = s.size(-1);
-    const int64_t groups = s.size(2) / sq;
-    s.view({s.size(0), s.size(1), groups, sq, sk})
-        .masked_fill_(mask.allowed.logical_not(), -std::numeric_limits<double>::infinity());
+at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes) {
+  auto s = at::matmul(q, k.transpose(-1, -2)).mul_(shapes.scale);
+  const int64_t sq = q.size(2) / shapes.groups, sk = s.size(-1);
+  auto allowed = mask_tensor(mask, sq, sk, q.device());
+  if (allowed.defined()) {
+    s.view({s.size(0), s.size(1), shapes.groups, sq, sk})
+        .masked_fill_(allowed.logical_not(), -std::numeric_limits<double>::infinity());
   }
   return s;
+}
+
+// Matmul + softmax: [sq, sk] scores per head in the accumulation dtype.
+std::pair<at::Tensor, at::Tensor> matmul_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const BlockMask& mask, const Shapes& shapes) {
+  const auto acc = shapes.acc_dtype;
+  auto s = scores(q.to(acc), k.to(acc), mask, shapes);
+  auto lse = at::logsumexp(s, -1, /*keepdim=*/true);
+  auto probs = s.sub_(finite_lse(lse)).exp_();
+  return {at::matmul(probs, v.to(acc)), lse.squeeze(-1)};
+}
+
+void matmul_block_backward(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                           const at::Tensor& dout_in, const at::Tensor& out, const at::Tensor& lse,
+                           const BlockMask& mask, const Shapes& shapes, at::Tensor& dq, at::Tensor& dk,
+                           at::Tensor& dv) {
+  const auto acc = shapes.acc_dtype;
+  const auto q = q_in.to(acc), k = k_in.to(acc), v = v_in.to(acc), dout = dout_in.to(acc);
+  const auto delta = (dout * out.to(acc)).sum(-1);  // rowsum(dO * O), as flash attention's backward
+  auto probs = scores(q, k, mask, shapes).sub_(finite_lse(lse).unsqueeze(-1)).exp_();
+  dv.add_(at::matmul(probs.transpose(-1, -2), dout));  // sums the query groups of each key head
+  auto ds = at::matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs);
+  dq.add_(at::matmul(ds, k), shapes.scale);
+  dk.add_(at::matmul(ds.transpose(-1, -2), q), shapes.scale);
 }
 
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const BlockMask& mask, double scale) {
-  auto s = scores(q, k, mask, scale);
-  auto lse = at::logsumexp(s, -1, /*keepdim=*/true);
-  auto probs = s.sub_(finite_lse(lse)).exp_();
-  return {at::matmul(probs, v), lse.squeeze(-1)};
+                                                const BlockMask& mask, const Shapes& shapes) {
+  const auto kernel = choose_kernel(q, k, mask, shapes);
+  if (kernel == BlockKernel::Matmul) {
+    return matmul_block_forward(q, k, v, mask, shapes);
+  }
+  return fused_block_forward(kernel, q, k, v, mask.causal, shapes);
 }
 
 void merge_block(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, const at::Tensor& block_lse) {
@@ -167,13 +207,14 @@ void merge_block(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, 
 }
 
 void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
-                    const at::Tensor& lse, const at::Tensor& delta, const BlockMask& mask, double scale,
+                    const at::Tensor& out, const at::Tensor& lse, const BlockMask& mask, const Shapes& shapes,
                     at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
-  auto probs = scores(q, k, mask, scale).sub_(finite_lse(lse).unsqueeze(-1)).exp_();
-  dv.add_(at::matmul(probs.transpose(-1, -2), dout));  // sums the query groups of each key head
-  auto ds = at::matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs);
-  dq.add_(at::matmul(ds, k), scale);
-  dk.add_(at::matmul(ds.transpose(-1, -2), q), scale);
+  const auto kernel = choose_kernel(q, k, mask, shapes);
+  if (kernel == BlockKernel::Matmul) {
+    matmul_block_backward(q, k, v, dout, out, lse, mask, shapes, dq, dk, dv);
+    return;
+  }
+  fused_block_backward(kernel, q, k, v, dout, out, lse, mask.causal, shapes, dq, dk, dv);
 }
 
 Exchange::Exchange(c10d::ProcessGroup& group, at::Tensor send, at::Tensor recv, int dst, int src, int tag)

@@ -76,11 +76,12 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
   const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, kOp);
   Ring ring = make_ring(q, group_name, group_size);
   const at::Tensor segments = gather_segments(ring, segment_ids);
-  auto queries = split_queries(q, shapes);
+  auto queries = split_queries(q, shapes, q.scalar_type());
   std::vector<at::Tensor> outs, lses;
   for (const auto& piece : queries) {
-    outs.push_back(at::zeros_like(piece));
-    lses.push_back(at::full(piece.sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), piece.options()));
+    const auto acc = piece.options().dtype(shapes.acc_dtype);
+    outs.push_back(at::zeros(piece.sizes(), acc));
+    lses.push_back(at::full(piece.sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), acc));
   }
   const int64_t n = shapes.piece_len;
   at::Tensor kv = at::stack({k, v}).contiguous();  // one message per step
@@ -91,11 +92,11 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
     }
     {
       RECORD_FUNCTION("torchpp::ring_attention::block", std::vector<c10::IValue>());
-      const auto keys = kv[0].to(shapes.acc_dtype), values = kv[1].to(shapes.acc_dtype);
+      const auto keys = kv[0], values = kv[1];
       for_each_block(ring, ring.source(step), layout, causal, shapes, segments, q.device(),
                      [&](int64_t i, int64_t j, const BlockMask& mask) {
                        auto [out, lse] = block_forward(queries[i], keys.narrow(2, j * n, n),
-                                                       values.narrow(2, j * n, n), mask, shapes.scale);
+                                                       values.narrow(2, j * n, n), mask, shapes);
                        merge_block(outs[i], lses[i], out, lse);
                      });
     }
@@ -115,16 +116,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
   const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, kOp);
   Ring ring = make_ring(q, group_name, group_size);
   const at::Tensor segments = gather_segments(ring, segment_ids);
-  auto queries = split_queries(q, shapes);
-  auto grads = split_queries(grad_out, shapes);
-  auto lses = split_queries(lse, shapes);
-  auto outs = split_queries(out, shapes);
-  std::vector<at::Tensor> deltas, dqs;
-  for (int64_t i = 0; i < shapes.pieces; ++i) {
-    deltas.push_back((grads[i] * outs[i]).sum(-1));  // rowsum(dO * O), as flash attention's backward
-    dqs.push_back(at::zeros_like(queries[i]));
+  auto queries = split_queries(q, shapes, q.scalar_type());
+  auto grads = split_queries(grad_out, shapes, q.scalar_type());
+  auto lses = split_queries(lse, shapes, shapes.acc_dtype);
+  auto outs = split_queries(out, shapes, q.scalar_type());
+  std::vector<at::Tensor> dqs;
+  for (const auto& piece : queries) {
+    dqs.push_back(at::zeros(piece.sizes(), piece.options().dtype(shapes.acc_dtype)));
   }
-  outs.clear();
   const int64_t n = shapes.piece_len;
   at::Tensor kv = at::stack({k, v}).contiguous();
   Exchange incoming, gradients;
@@ -136,13 +135,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
     auto block_grads = at::zeros(kv.sizes(), kv.options().dtype(shapes.acc_dtype));
     {
       RECORD_FUNCTION("torchpp::ring_attention::block_backward", std::vector<c10::IValue>());
-      const auto keys = kv[0].to(shapes.acc_dtype), values = kv[1].to(shapes.acc_dtype);
+      const auto keys = kv[0], values = kv[1];
       for_each_block(ring, ring.source(step), layout, causal, shapes, segments, q.device(),
                      [&](int64_t i, int64_t j, const BlockMask& mask) {
                        auto dk = block_grads[0].narrow(2, j * n, n);
                        auto dv = block_grads[1].narrow(2, j * n, n);
                        block_backward(queries[i], keys.narrow(2, j * n, n), values.narrow(2, j * n, n), grads[i],
-                                      lses[i], deltas[i], mask, shapes.scale, dqs[i], dk, dv);
+                                      outs[i], lses[i], mask, shapes, dqs[i], dk, dv);
                      });
     }
     if (gradients.pending()) {  // the sum so far for this key/value shard, from the previous rank

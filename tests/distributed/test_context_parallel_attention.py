@@ -1,8 +1,11 @@
 """Context-parallel attention (torch.ops.torchpp.ring_attention / all_gather_attention) on spawned
 gloo ranks: each rank's output and its q, k, v gradients equal its shard of full-sequence SDPA
 (fp64, 1e-10), at cp=2 and cp=4, causal and full, both modes, both layouts, grouped-query
-attention and packed sequences; bad lengths, layouts and modes raise naming the values."""
+attention and packed sequences; bad lengths, layouts and modes raise naming the values. Blocks run
+on the CPU flash kernel (which returns the log-sum-exp) except where a mask it cannot take
+applies (packed sequences: matmul + softmax), and TORCHPP_CP_KERNEL=matmul forces that path."""
 import itertools
+import os
 
 import pytest
 import torch
@@ -47,28 +50,42 @@ def _reference(q, k, v, grad, causal, segments):
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
 
 
-def _check_case(seq_len, kv_heads, mode, layout, causal, packed):
+# Other dtypes (tests/gpu): error relative to the largest entry, as their kernels round at that scale.
+RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.device("cpu"), dtype=torch.float64):
+    """The sharded attention on `device` in `dtype` against full-sequence SDPA in float64 (on the
+    same inputs, rounded to `dtype`)."""
     group = dist.group.WORLD
-    q, k, v, grad = _inputs(seq_len, kv_heads)
+    q, k, v, grad = (t.to(dtype).double() for t in _inputs(seq_len, kv_heads))
     segments = _segments(seq_len) if packed else None
     expected = _reference(q, k, v, grad, causal, segments)
     shard = lambda t: shard_sequence(t, group, dim=2, layout=layout)  # noqa: E731
-    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-    local_segments = shard_sequence(segments, group, dim=1, layout=layout) if packed else None
+    local = lambda t: shard(t).to(device, dtype)  # noqa: E731
+    ql, kl, vl = (local(t).requires_grad_() for t in (q, k, v))
+    local_segments = shard_sequence(segments, group, dim=1, layout=layout).to(device) if packed else None
     out = attention(ql, kl, vl, group, causal=causal, mode=mode, layout=layout, segment_ids=local_segments)
-    got = (out.detach(), *torch.autograd.grad(out, (ql, kl, vl), shard(grad)))
+    got = (out.detach(), *torch.autograd.grad(out, (ql, kl, vl), local(grad)))
     for name, mine, full in zip(("output", "dq", "dk", "dv"), got, expected):
-        error = (mine - shard(full)).abs().max().item()
-        assert error < TOL, f"{mode} {layout} causal={causal} packed={packed} kv_heads={kv_heads}: {name} off by {error}"
-    assert (unshard_sequence(out.detach(), group, dim=2, layout=layout) - expected[0]).abs().max().item() < TOL
+        tol = TOL if dtype == torch.float64 else RELATIVE_TOL[dtype] * full.abs().max().item()
+        assert mine.dtype == dtype, f"{name} came back in {mine.dtype}"
+        error = (mine.cpu().double() - shard(full)).abs().max().item()
+        assert error < tol, (f"{mode} {layout} causal={causal} packed={packed} kv_heads={kv_heads} {dtype} on "
+                             f"{device}: {name} off by {error} (tolerance {tol})")
+    if dtype == torch.float64:
+        assert (unshard_sequence(out.detach(), group, dim=2, layout=layout).cpu() - expected[0]).abs().max() < TOL
 
 
-def check_all_cases(seq_len):
+def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
     for mode, layout, causal in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"), (True, False)):
-        _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False)
-    for mode, causal in itertools.product(("ring", "all-gather"), (True, False)):
-        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=causal, packed=True)  # MQA, packed
-    _check_case(seq_len, kv_heads=HEADS, mode="ring", layout="contiguous", causal=True, packed=True)
+        _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False, device=device,
+                    dtype=dtype)
+    for mode, causal in itertools.product(("ring", "all-gather"), (True, False)):  # MQA, packed
+        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=causal, packed=True, device=device,
+                    dtype=dtype)
+    _check_case(seq_len, kv_heads=HEADS, mode="ring", layout="contiguous", causal=True, packed=True, device=device,
+                dtype=dtype)
     return True
 
 
@@ -104,3 +121,34 @@ def test_bad_lengths_and_names_raise(ranks):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_equals_full_sequence_sdpa(ranks, cp):
     assert ranks(cp).run(check_all_cases, 4 * cp) == [True] * cp
+
+
+def _kernels_used(packed: bool) -> dict:
+    """Profiler counts of the block kernels in one forward + backward of ring attention."""
+    group = dist.group.WORLD
+    q, k, v, grad = _inputs(8 * group.size(), kv_heads=2)
+    segments = shard_sequence(_segments(q.size(2)), group, dim=1) if packed else None
+    ql, kl, vl = (shard_sequence(t, group, dim=2).requires_grad_() for t in (q, k, v))
+    with torch.profiler.profile() as prof:
+        out = attention(ql, kl, vl, group, causal=True, segment_ids=segments)
+        out.backward(shard_sequence(grad, group, dim=2))
+    names = [event.name for event in prof.events()]
+    return {kind: sum(name == f"aten::_scaled_dot_product_flash_attention_for_cpu{kind}" for name in names)
+            for kind in ("", "_backward")}
+
+
+def check_block_kernels():
+    flash = _kernels_used(packed=False)
+    assert flash[""] > 0 and flash["_backward"] > 0, f"unmasked blocks did not run the flash kernel: {flash}"
+    assert sum(_kernels_used(packed=True).values()) == 0, "packed blocks need their mask: matmul path"
+    os.environ["TORCHPP_CP_KERNEL"] = "matmul"
+    try:
+        forced = _kernels_used(packed=False)
+    finally:
+        del os.environ["TORCHPP_CP_KERNEL"]
+    assert sum(forced.values()) == 0, f"TORCHPP_CP_KERNEL=matmul still ran the flash kernel: {forced}"
+    return True
+
+
+def test_blocks_run_the_flash_kernel_unless_masked(ranks):
+    assert ranks(2).run(check_block_kernels) == [True, True]

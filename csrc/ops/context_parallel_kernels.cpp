@@ -1,0 +1,173 @@
+// Context-parallel blocks on ATen's fused attention kernels, which return the log-sum-exp the
+// merge needs and never hold a block's [sq, sk] scores: memory O(s) per block. Device-generic:
+// the kernels are reached through the dispatcher, so no CUDA header is included here.
+//
+// Masks: ring blocks (zigzag or contiguous) and the all-gather's split prefix are all-visible,
+// empty (skipped before this point) or the square diagonal block, whose causal mask is the
+// kernels' own (top-left and bottom-right alignment agree when sq == sk). Anything else (packed
+// sequences' segment masks) takes the matmul path.
+#include <cstdlib>
+#include <cstring>
+
+#include <ATen/ATen.h>
+#include <ATen/SDPBackend.h>
+#include <ATen/record_function.h>
+
+#include "ops/context_parallel.h"
+
+namespace torchpp::cp {
+namespace {
+
+// [b, hk, g * n, ...] <-> [b, hq, n, ...]: the same memory (head h uses key/value head h / g).
+at::Tensor per_head(const at::Tensor& grouped, const Shapes& shapes) {
+  auto sizes = grouped.sizes().vec();
+  sizes[1] = shapes.q_heads;
+  sizes[2] /= shapes.groups;
+  return grouped.reshape(sizes);
+}
+
+at::Tensor grouped(const at::Tensor& per_head_tensor, const Shapes& shapes) {
+  auto sizes = per_head_tensor.sizes().vec();
+  sizes[1] = shapes.kv_heads;
+  sizes[2] *= shapes.groups;
+  return per_head_tensor.reshape(sizes);
+}
+
+// Key/value heads repeated for each query head: for the kernel that lacks grouped-query attention.
+at::Tensor repeat_heads(const at::Tensor& kv, const Shapes& shapes) {
+  if (shapes.groups == 1) {
+    return kv;
+  }
+  return kv.repeat_interleave(shapes.groups, 1);
+}
+
+// Gradient of repeated key/value heads summed back per key/value head.
+at::Tensor sum_heads(const at::Tensor& grad, const Shapes& shapes) {
+  if (shapes.groups == 1) {
+    return grad;
+  }
+  return grad.unflatten(1, {shapes.kv_heads, shapes.groups}).sum(2);
+}
+
+// Read per call (a getenv is cheap next to a block), so a benchmark can compare both paths.
+bool matmul_forced() {
+  const char* value = std::getenv("TORCHPP_CP_KERNEL");
+  return value != nullptr && std::strcmp(value, "matmul") == 0;
+}
+
+// What SDPA would run for these shapes (honours torch.backends.cuda.enable_*_sdp), or math when
+// it names none (e.g. every fused backend disabled by the caller).
+at::SDPBackend sdpa_choice(const at::Tensor& q, const at::Tensor& k, bool causal, const Shapes& shapes) {
+  try {
+    return static_cast<at::SDPBackend>(at::_fused_sdp_choice(q, k, k, std::nullopt, 0.0, causal, shapes.scale,
+                                                             /*enable_gqa=*/shapes.groups > 1));
+  } catch (const c10::Error&) {
+    return at::SDPBackend::math;
+  }
+}
+
+}  // namespace
+
+const char* kernel_name(BlockKernel kernel) {
+  switch (kernel) {
+    case BlockKernel::FlashCpu:
+      return "flash_cpu";
+    case BlockKernel::Flash:
+      return "flash";
+    case BlockKernel::Efficient:
+      return "efficient";
+    case BlockKernel::Matmul:
+      break;
+  }
+  return "matmul";
+}
+
+BlockKernel choose_kernel(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes) {
+  if (mask.allowed.defined() || matmul_forced()) {
+    return BlockKernel::Matmul;  // a mask the kernels cannot take without an [sq, sk] tensor
+  }
+  const auto q_heads = per_head(q, shapes);
+  const auto choice = sdpa_choice(q_heads, k, mask.causal, shapes);
+  if (q.device().is_cpu()) {
+    return choice == at::SDPBackend::flash_attention ? BlockKernel::FlashCpu : BlockKernel::Matmul;
+  }
+  // The flash kernel wants head sizes padded to a multiple of 8 (SDPA pads them; we would copy).
+  if (choice == at::SDPBackend::flash_attention && shapes.head_dim % 8 == 0) {
+    return BlockKernel::Flash;
+  }
+  if (choice == at::SDPBackend::flash_attention || choice == at::SDPBackend::efficient_attention) {
+    return BlockKernel::Efficient;  // fp32, or what flash declines; fp64 on CUDA has no fused kernel
+  }
+  return BlockKernel::Matmul;
+}
+
+std::pair<at::Tensor, at::Tensor> fused_block_forward(BlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, bool causal, const Shapes& shapes) {
+  RECORD_FUNCTION("torchpp::cp_block", std::vector<c10::IValue>());
+  const auto q_heads = per_head(q, shapes);
+  at::Tensor out, lse;
+  switch (kernel) {
+    case BlockKernel::FlashCpu:
+      std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q_heads, k, v, 0.0, causal, std::nullopt,
+                                                                           shapes.scale);
+      break;
+    case BlockKernel::Flash: {
+      auto result = at::_scaled_dot_product_flash_attention(q_heads, k, v, 0.0, causal, false, shapes.scale);
+      out = std::get<0>(result);
+      lse = std::get<1>(result);
+      break;
+    }
+    case BlockKernel::Efficient: {
+      auto result = at::_scaled_dot_product_efficient_attention(q_heads, repeat_heads(k, shapes),
+                                                                repeat_heads(v, shapes), std::nullopt,
+                                                                /*compute_log_sumexp=*/true, 0.0, causal, shapes.scale);
+      out = std::get<0>(result);
+      lse = std::get<1>(result).narrow(2, 0, q_heads.size(2));  // padded to a multiple of 32 rows
+      break;
+    }
+    case BlockKernel::Matmul:
+      TORCH_INTERNAL_ASSERT(false, "fused_block_forward called for the matmul path");
+  }
+  return {grouped(out.to(shapes.acc_dtype), shapes), grouped(lse.to(shapes.acc_dtype), shapes)};
+}
+
+void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse, bool causal,
+                          const Shapes& shapes, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  RECORD_FUNCTION("torchpp::cp_block_backward", std::vector<c10::IValue>());
+  const auto q_heads = per_head(q, shapes), dout_heads = per_head(dout, shapes), out_heads = per_head(out, shapes);
+  // The merged log-sum-exp, not the block's: the kernel's P = exp(S - lse) is this block's share.
+  const auto lse_heads = per_head(lse, shapes).contiguous();
+  at::Tensor dq_block, dk_block, dv_block;
+  switch (kernel) {
+    case BlockKernel::FlashCpu:
+      std::tie(dq_block, dk_block, dv_block) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          dout_heads, q_heads, k, v, out_heads, lse_heads, 0.0, causal, std::nullopt, shapes.scale);
+      break;
+    case BlockKernel::Flash: {
+      // Without dropout the kernel never reads its random-number state.
+      const auto no_rng = at::empty({2}, q.options().dtype(at::kLong));
+      std::tie(dq_block, dk_block, dv_block) = at::_scaled_dot_product_flash_attention_backward(
+          dout_heads, q_heads, k, v, out_heads, lse_heads.to(at::kFloat), at::Tensor(), at::Tensor(),
+          q_heads.size(2), k.size(2), 0.0, causal, no_rng, no_rng, shapes.scale);
+      break;
+    }
+    case BlockKernel::Efficient: {
+      const auto no_rng = at::empty({2}, q.options().dtype(at::kLong));
+      auto result = at::_scaled_dot_product_efficient_attention_backward(
+          dout_heads, q_heads, repeat_heads(k, shapes), repeat_heads(v, shapes), at::Tensor(), out_heads,
+          lse_heads.to(at::kFloat), no_rng, no_rng, 0.0, {true, true, true, false}, causal, shapes.scale);
+      dq_block = std::get<0>(result);
+      dk_block = sum_heads(std::get<1>(result), shapes);
+      dv_block = sum_heads(std::get<2>(result), shapes);
+      break;
+    }
+    case BlockKernel::Matmul:
+      TORCH_INTERNAL_ASSERT(false, "fused_block_backward called for the matmul path");
+  }
+  dq.add_(grouped(dq_block, shapes));
+  dk.add_(dk_block);
+  dv.add_(dv_block);
+}
+
+}  // namespace torchpp::cp
