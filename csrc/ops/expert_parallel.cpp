@@ -101,7 +101,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
   auto flat = expert_index.reshape({-1}).to(at::kLong);
   const int64_t pairs = flat.numel();
   if (pairs > 0) {
-    const int64_t low = flat.min().item<int64_t>(), high = flat.max().item<int64_t>();
+    const auto bounds = at::stack({flat.min(), flat.max()}).to(at::kCPU);  // one device-to-host read
+    const int64_t low = bounds[0].item<int64_t>(), high = bounds[1].item<int64_t>();
     TORCH_CHECK(low >= 0 && high < num_experts, "torchpp.moe_route: expert indices must lie in [0, num_experts=",
                 num_experts, "), got values from ", low, " to ", high);
   }

@@ -95,7 +95,10 @@ PendingRecv P2PChannel::post_vote(bool exchange_meta, int step_kind) {
   // same for each fingerprint field's hash.
   std::vector<int64_t> slots{exchange_meta ? 1 : 0, step_kind, -step_kind};
   slots.insert(slots.end(), fingerprint_slots_.begin(), fingerprint_slots_.end());
-  std::vector<at::Tensor> tensors{at::tensor(slots, at::TensorOptions().dtype(at::kLong)).to(device_)};
+  auto host = at::tensor(slots, at::TensorOptions().dtype(at::kLong));
+  // Pinned, so the copy to a device is queued on its stream instead of waiting for the host.
+  if (!device_.is_cpu()) host = host.pin_memory();
+  std::vector<at::Tensor> tensors{host.to(device_, /*non_blocking=*/true)};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
   auto work = group_->allreduce(tensors, options);
