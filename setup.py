@@ -7,16 +7,43 @@ Three extension modules, one per layer of the architecture:
 
 Build with `pip install --no-build-isolation -e .` (build isolation would download
 another torch). TORCHPP_BUILD=schedule,plan limits a build to some modules, so the
-torch-free parts rebuild in seconds while the ops are untouched.
+torch-free parts rebuild in seconds while the ops are untouched. TORCHPP_CXX_STD=17 or 20
+picks the C++ standard; unset, torch's own choice applies (C++17 up to torch 2.12, C++20 from
+2.13, whose headers use C++20 features that C++17 builds accept with a warning).
+
+Supported torch: TORCH_RANGE below (CPU and CUDA builds alike; the extension itself has no CUDA
+code, so one build serves both).
 """
 import glob
 import os
+import re
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
+import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O2", "-std=c++17", "-fvisibility=hidden"]
+# The torch versions torchpp is built and tested with: [lowest, first unsupported).
+TORCH_RANGE = ((2, 11), (2, 14))
+
+
+def check_torch(version: str) -> None:
+    found = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
+    if not TORCH_RANGE[0] <= found < TORCH_RANGE[1]:
+        raise SystemExit(f"torchpp supports torch >= {'.'.join(map(str, TORCH_RANGE[0]))}, < "
+                         f"{'.'.join(map(str, TORCH_RANGE[1]))}; the installed torch is {version}")
+
+
+def cxx_flags(standard: str) -> list:
+    if not standard:
+        return ["-O2", "-fvisibility=hidden"]  # torch appends its own -std
+    if standard not in ("17", "20"):
+        raise SystemExit(f"TORCHPP_CXX_STD must be 17 or 20, got {standard!r}")
+    return ["-O2", f"-std=c++{standard}", "-fvisibility=hidden"]
+
+
+check_torch(torch.__version__)
+CXX_FLAGS = cxx_flags(os.environ.get("TORCHPP_CXX_STD", ""))
 
 
 def sources(*patterns):
@@ -55,4 +82,5 @@ setup(
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
+    install_requires=[f"torch>={'.'.join(map(str, TORCH_RANGE[0]))},<{'.'.join(map(str, TORCH_RANGE[1]))}"],
 )

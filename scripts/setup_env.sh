@@ -1,13 +1,38 @@
 #!/usr/bin/env bash
 # Prepares this machine for torchpp, doing only what is missing:
-# torch 2.13.0 (the local CPU wheel), the Python dependencies from PyPI, and the C++
-# extensions built in place (ninja rebuilds only what changed). Source it: it exports
-# PYTHONPATH so the in-place build is importable from torchrun and pytest alike.
+# torch (2.13.0 from the registry when none is installed; an installed torch, CPU or CUDA build,
+# is used as it is), the Python dependencies, and the C++ extensions built in place (ninja
+# rebuilds only what changed). Source it: it exports PYTHONPATH so the in-place build is
+# importable from torchrun and pytest alike.
+#
+# Without a registry (a lent GPU machine): wheels carried in .whl/ at the repository root
+# (scripts/fetch_gpu_wheels.sh puts them there) are installed into build/site, which goes on
+# PYTHONPATH ahead of the machine's own packages; what neither provides is reported.
 set -euo pipefail
 TORCHPP_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
+CARRIED="$TORCHPP_ROOT/.whl"
+SITE="$TORCHPP_ROOT/build/site"
+OFFLINE=0
+# Carried wheels are for the Python they were fetched for (.whl/PYTHON names it): install from
+# them alone, never from a registry. Elsewhere (this repository's own machine) they are ignored.
+if [ -f "$CARRIED/PYTHON" ] && [ "$(cat "$CARRIED/PYTHON")" = "$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" ]; then
+  OFFLINE=1
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
+# An installed torch is kept whatever its build (a CUDA one is never replaced by the CPU wheel);
+# one that is installed but fails to import is an error to fix, not a reason to reinstall.
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  if "$PYTHON" -m pip show -q torch >/dev/null 2>&1; then
+    "$PYTHON" -c "import torch" || true
+    echo "torchpp: torch is installed but does not import (above); fix that installation" >&2
+    exit 1
+  fi
+  if [ "$OFFLINE" = 1 ]; then
+    echo "torchpp: no torch installed and no registry (carried wheels in $CARRIED)" >&2
+    exit 1
+  fi
   "$PYTHON" -m pip install -q torch==2.13.0
 fi
 TORCH_VERSION="$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
@@ -15,10 +40,21 @@ TORCH_VERSION="$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[
 # Pin the installed torch so that no dependency can make pip resolve another one; transformers
 # is pinned too: the model sweep (docs/models.md) and the plan tests follow its model plans.
 TRANSFORMERS_VERSION=5.24.0
-if ! "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout
-assert transformers.__version__ == '$TRANSFORMERS_VERSION'" 2>/dev/null; then
-  "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" tqdm matplotlib \
-    ninja pytest pytest-timeout
+deps_ok() {
+  "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout
+assert transformers.__version__ == '$TRANSFORMERS_VERSION', transformers.__version__" 2>/dev/null
+}
+if ! deps_ok; then
+  if [ "$OFFLINE" = 1 ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$CARRIED"/*.whl
+    deps_ok || { "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout
+print('transformers', transformers.__version__)" >&2 || true
+      echo "torchpp: dependencies missing after installing the carried wheels (above)" >&2; exit 1; }
+  else
+    "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" tqdm matplotlib \
+      ninja pytest pytest-timeout
+  fi
 fi
 
 # megatron-core for the Megatron drop-in's tests: 0.16.x is the newest release for Python 3.11
@@ -26,7 +62,11 @@ fi
 MEGATRON_CORE_VERSION=0.16.1
 if ! "$PYTHON" -c "import importlib.metadata as m; assert m.version('megatron-core') == '$MEGATRON_CORE_VERSION'" \
     2>/dev/null; then
-  "$PYTHON" -m pip install -q --no-build-isolation "torch==${TORCH_VERSION}" "megatron-core==${MEGATRON_CORE_VERSION}"
+  if [ "$OFFLINE" = 1 ]; then
+    echo "torchpp: megatron-core $MEGATRON_CORE_VERSION absent and no registry: the Megatron tests cannot run here" >&2
+  else
+    "$PYTHON" -m pip install -q --no-build-isolation "torch==${TORCH_VERSION}" "megatron-core==${MEGATRON_CORE_VERSION}"
+  fi
 fi
 
 # ccache through a one-line wrapper: torch's ninja writer takes CXX as a single program.
