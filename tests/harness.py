@@ -1,7 +1,8 @@
-"""Spawned gloo ranks for distributed tests, with hard timeouts.
+"""Spawned ranks for distributed tests, with hard timeouts.
 
-A pool of `world_size` processes initialises torch.distributed once (gloo, FileStore) and
-then runs test functions on every rank. A function that fails or hangs on any rank fails
+A pool of `world_size` processes initialises torch.distributed once (gloo, or NCCL with gloo
+beside it for CPU tensors; FileStore) and then runs test functions on every rank. NCCL ranks
+share the one GPU (torchpp.testing.one_gpu). A function that fails or hangs on any rank fails
 the test with every rank's traceback; the pool is then torn down and respawned, so one
 broken test cannot poison the next.
 """
@@ -24,14 +25,21 @@ DEFAULT_TEST_TIMEOUT_S = 120
 AFTER_FAILURE_S = 20
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
+BACKENDS = ("gloo", "nccl")
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        from torchpp.testing.one_gpu import share_one_gpu
+
+        share_one_gpu(rank)
     dist.init_process_group(
-        "gloo",
+        "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
@@ -52,17 +60,22 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
 
 
 class RankPool:
-    """`world_size` spawned ranks that run test functions on demand."""
+    """`world_size` spawned ranks that run test functions on demand, over `backend` ("gloo" or
+    "nccl": CUDA tensors over NCCL, CPU tensors over gloo)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, backend: str = "gloo"):
+        if backend not in BACKENDS:
+            raise ValueError(f"RankPool: backend must be one of {BACKENDS}, got {backend!r}")
         self.world_size = world_size
+        self.backend = backend
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="torchpp_ranks_")
         init_file = os.path.join(self._dir.name, "store")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results, backend),
+                        daemon=True)
             for r in range(world_size)
         ]
         for proc in self._procs:
@@ -125,7 +138,8 @@ class RankPool:
 class RankPools:
     """One live pool at a time (the machine has 2 cores), respawned after a failure."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "gloo"):
+        self.backend = backend
         self._pool: RankPool | None = None
 
     def __call__(self, world_size: int) -> RankPool:
@@ -134,7 +148,7 @@ class RankPools:
             pool.close()
             pool = None
         if pool is None:
-            pool = self._pool = RankPool(world_size)
+            pool = self._pool = RankPool(world_size, self.backend)
         return pool
 
     def close(self) -> None:

@@ -164,21 +164,24 @@ def test_clear_errors(ranks, tmp_path):
 DCP_KINDS = (("phi3", 2), ("gpt2", 2), ("qwen2", 1))
 
 
-def _dcp_steps(kind, kv_heads, tp, root, save_after=None, load=False):
-    """Two AdamW steps of `kind` at this tp (dp = 2 / tp) on the same batches; saves after the
-    first when `save_after`, or loads before the second when `load` (skipping the first)."""
+def _dcp_steps(kind, kv_heads, tp, root, save_after=None, load=False, dtype=torch.float64, restore=True):
+    """Two AdamW steps of `kind` at this tp (dp = 2 / tp) on the same batches, on the group's
+    device in `dtype`; saves after the first when `save_after`, or loads before the second when
+    `load` (skipping the first; `restore=False` skips the load too: a control)."""
     from torchpp.checkpoint import load_checkpoint, save_checkpoint
     from torchpp.parallel import DistributedOptimizer
 
     state = torchpp.init_parallel(tp=tp, pp=1)
     torch.manual_seed(0 if not load else 1)  # the loading run starts from other weights
-    model = parallelize(tiny_model(kind, kv_heads=kv_heads).double(), state=state)
+    model = parallelize(tiny_model(kind, kv_heads=kv_heads).to(dtype), state=state)
     optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, lr=1e-2)
     ids, labels, _, _ = inputs_of("plain", model.config.vocab_size)
+    ids, labels = ids.to(state.device), labels.to(state.device)
     losses = []
     for step in range(2):
         if step == 0 and load:
-            load_checkpoint(root, model, optimizer, state=state)
+            if restore:
+                load_checkpoint(root, model, optimizer, state=state)
             continue
         optimizer.zero_grad()
         loss = model(input_ids=ids, labels=labels, use_cache=False).loss

@@ -70,13 +70,14 @@ def reference(world: int, num_experts: int, routing: str, capacity_factor):
     return [(out.detach(), h.grad, w.grad, dropped) for out, h, w, dropped in results], weight.grad
 
 
-def check_dispatch_combine(num_experts: int, routing: str, capacity_factor=None):
+def check_dispatch_combine(num_experts: int, routing: str, capacity_factor=None, device="cpu"):
+    """On `device` (tests/gpu: CUDA over NCCL) against the float64 reference computed on the CPU."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
     local = num_experts // world
-    hidden, index, weights, probe = rank_inputs(rank, num_experts, routing)
+    hidden, index, weights, probe = (t.to(device) for t in rank_inputs(rank, num_experts, routing))
     hidden.requires_grad_(), weights.requires_grad_()
-    weight = expert_weights(num_experts)[rank * local:(rank + 1) * local].clone().requires_grad_()
+    weight = expert_weights(num_experts)[rank * local:(rank + 1) * local].to(device).requires_grad_()
 
     routing_plan = ops.moe_route(index, num_experts, group, capacity_factor=capacity_factor)
     rows = ops.moe_dispatch(hidden, routing_plan)
@@ -88,10 +89,12 @@ def check_dispatch_combine(num_experts: int, routing: str, capacity_factor=None)
 
     expected, weight_grad = reference(world, num_experts, routing, capacity_factor)
     ref_out, ref_hidden_grad, ref_weights_grad, ref_dropped = expected[rank]
-    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(hidden.grad, ref_hidden_grad, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(weights.grad, ref_weights_grad, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(weight.grad, weight_grad[rank * local:(rank + 1) * local], rtol=1e-9, atol=1e-12)
+    assert out.device == hidden.device
+    torch.testing.assert_close(out.cpu(), ref_out, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(hidden.grad.cpu(), ref_hidden_grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(weights.grad.cpu(), ref_weights_grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(weight.grad.cpu(), weight_grad[rank * local:(rank + 1) * local], rtol=1e-9,
+                               atol=1e-12)
     assert int(routing_plan.dropped) == ref_dropped
     return int(routing_plan.dropped), sum(counts)
 

@@ -21,10 +21,10 @@ def _per_rank(seed, world, **kw):
     return [_int_tensor(seed * 100 + r, **kw) for r in range(world)]
 
 
-def check_mapping(name, dim, dtype):
+def check_mapping(name, dim, dtype, device="cpu"):
     rank, world = dist.get_rank(), dist.get_world_size()
-    xs = _per_rank(1, world, dtype=dtype)  # each rank's input
-    gs_full = _per_rank(2, world, dtype=dtype)  # each rank's gradient for a full-size output
+    xs = [t.to(device) for t in _per_rank(1, world, dtype=dtype)]  # each rank's input
+    gs_full = [t.to(device) for t in _per_rank(2, world, dtype=dtype)]  # each rank's gradient for a full-size output
     shard = lambda t: t.chunk(world, dim)[rank]  # noqa: E731
     x = xs[rank].clone().requires_grad_()
 
@@ -77,11 +77,11 @@ MAPPINGS = [
 ]
 
 
-def check_all_mappings():
+def check_all_mappings(device="cpu", dtypes=(torch.float32, torch.float64)):
     for name in MAPPINGS:
         for dim in (0, 1, -1):
-            for dtype in (torch.float32, torch.float64):
-                check_mapping(name, dim, dtype)
+            for dtype in dtypes:
+                check_mapping(name, dim, dtype, device)
     return True
 
 

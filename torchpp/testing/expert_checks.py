@@ -13,7 +13,7 @@ import torchpp
 from torchpp.models import parallelize
 from torchpp.parallel import DistributedOptimizer
 from torchpp.testing.model_checks import (LR, _compare_grads, _compare_values, _sgd, assert_close,
-                                          exact_causal_lm_loss, float64_throughout)
+                                          exact_causal_lm_loss, float64_throughout, precision)
 from torchpp.testing.tiny_models import tiny_model
 
 BATCH, SEQ = 4, 16
@@ -28,7 +28,7 @@ def full_batch(vocab: int, seed: int = 7, rows: int = BATCH):
 
 def check_ep(model_type: str, ep: int = 2, tp: int = 1, **extra) -> str:
     """ep (x tp) ranks, dp = world / tp data-parallel ranks each with its own batch slice."""
-    with float64_throughout():
+    with precision(extra.get("dtype", torch.float64)):
         return _check_ep(model_type, ep, tp, **extra)
 
 
@@ -50,7 +50,7 @@ def route_everything_to(model, experts) -> None:
         if type(module).__name__.endswith("Router") and hasattr(module, "top_k"):
             def hook(module, args, output):
                 logits, weights, index = output
-                return logits, weights, torch.tensor(experts).expand_as(index).contiguous()
+                return logits, weights, torch.tensor(experts, device=index.device).expand_as(index).contiguous()
             module.register_forward_hook(hook)
 
 
@@ -58,11 +58,11 @@ def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = 
               max_norm=None, route_to=None, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, ep=ep)
     model = tiny_model(model_type, output_router_logits=True, router_aux_loss_coef=AUX_COEF, **extra)
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model).to(state.device)
     if route_to is not None:
         route_everything_to(model, route_to)
         route_everything_to(reference, route_to)
-    ids, labels = full_batch(model.config.vocab_size)
+    ids, labels = (t.to(state.device) for t in full_batch(model.config.vocab_size))
     reference.loss_function = exact_causal_lm_loss
     ref = reference(input_ids=ids, labels=labels, use_cache=False)
     ref.loss.backward()
