@@ -33,7 +33,8 @@ def build(args, device):
     config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
                          num_key_value_heads=heads, max_position_embeddings=seq, attn_implementation="sdpa")
     torch.manual_seed(0)
-    layer = LlamaDecoderLayer(config, layer_idx=0).to(device, dtype)
+    with torch.device(device):
+        layer = LlamaDecoderLayer(config, layer_idx=0).to(dtype)
     x = torch.randn(1, seq, hidden, device=device, dtype=dtype, requires_grad=True)
     positions = torch.arange(seq, device=device)[None]
     rotary = LlamaRotaryEmbedding(config).to(device)(x, positions)

@@ -55,7 +55,7 @@ EOF
 
 if wants setup; then
   # shellcheck disable=SC1091
-  run_part "setup and build" 240 bash -c 'source scripts/setup_env.sh && python3 -c "import torchpp, transformers; \
+  run_part "setup and build" 175 bash -c 'source scripts/setup_env.sh && python3 -c "import torchpp, transformers; \
 print(\"torchpp built; transformers\", transformers.__version__)"' || { note "setup failed: nothing else can run"; exit 1; }
 fi
 # What setup_env.sh exports, for the parts below (it ran in a child shell).
@@ -66,14 +66,14 @@ if wants tests; then
   # and the ranks' GPU work is small.
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 3 --dist loadfile)
-  run_part "tests/gpu" 200 python3 -m pytest tests/gpu -q -rfEs --timeout 150 -p no:cacheprovider "${workers[@]}"
+  run_part "tests/gpu" 160 python3 -m pytest tests/gpu -q -rfEs --timeout 120 -p no:cacheprovider "${workers[@]}"
 fi
 
 if wants bench; then
-  run_part "bench: split B/W" 60 python3 bench/bench_split_bw.py --json "$RESULTS/split_bw.json"
-  run_part "bench: stage MFU" 60 python3 bench/bench_stage_mfu.py --json "$RESULTS/stage_mfu.json"
-  run_part "bench: CP blocks" 60 python3 bench/bench_cp_block.py --json "$RESULTS/cp_block.json"
-  run_part "bench: p=2 bubble (NCCL)" 60 python3 bench/bench_bubble_nccl.py --json "$RESULTS/bubble_nccl.json"
+  run_part "bench: split B/W" 30 python3 bench/bench_split_bw.py --json "$RESULTS/split_bw.json"
+  run_part "bench: stage MFU" 40 python3 bench/bench_stage_mfu.py --json "$RESULTS/stage_mfu.json"
+  run_part "bench: CP blocks" 35 python3 bench/bench_cp_block.py --json "$RESULTS/cp_block.json"
+  run_part "bench: p=2 bubble (NCCL)" 35 python3 bench/bench_bubble_nccl.py --json "$RESULTS/bubble_nccl.json"
 fi
 
 note "total $(($(date +%s) - START))s; results in $RESULTS"

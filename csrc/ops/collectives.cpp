@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "ops/c10d_compat.h"
 #include "ops/collective_check.h"
 #include "ops/process_group.h"
 
@@ -55,7 +56,7 @@ at::Tensor all_gather_along(
   auto sizes = leading.sizes().vec();
   sizes[0] *= group_size;
   auto gathered = at::empty(sizes, leading.options());
-  auto work = group->_allgather_base(gathered, leading);
+  auto work = c10d_compat::all_gather_single(*group, gathered, leading);
   if (timeout.count() > 0) {
     TORCH_CHECK(work->wait(timeout), "torchpp.", op_name, ": the all-gather did not complete");
   } else {
@@ -75,7 +76,7 @@ at::Tensor reduce_scatter_along(
   auto sizes = leading.sizes().vec();
   sizes[0] = shard;
   auto output = at::empty(sizes, leading.options());
-  group->_reduce_scatter_base(output, leading)->wait();
+  c10d_compat::reduce_scatter_single(*group, output, leading)->wait();
   return output.movedim(0, wrapped).contiguous();
 }
 

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
+#include "ops/c10d_compat.h"
 #include "ops/context_parallel.h"
 
 namespace torchpp::cp {
@@ -171,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_attention_backward(
   auto own_flat = at::empty({flat.numel() / group_size}, stacked.options());
   {
     RECORD_FUNCTION("torchpp::all_gather_attention::reduce_scatter", std::vector<c10::IValue>());
-    s.group->reduce_scatter_single(own_flat, flat)->wait();
+    c10d_compat::reduce_scatter_single(*s.group, own_flat, flat)->wait();
   }
   auto own = own_flat.view(stacked.sizes().slice(1));
   return {join_queries(dqs, s.shapes, q.scalar_type()), own[0].to(k.scalar_type()), own[1].to(v.scalar_type())};

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "ops/c10d_compat.h"
 #include "ops/process_group.h"
 
 namespace torchpp::cp {
@@ -256,7 +257,7 @@ at::Tensor all_gather_stacked(c10d::ProcessGroup& group, const at::Tensor& local
   auto sizes = local.sizes().vec();
   sizes.insert(sizes.begin(), group.getSize());
   auto gathered = at::empty({input.numel() * group.getSize()}, input.options());
-  group.all_gather_single(gathered, input)->wait();
+  c10d_compat::all_gather_single(group, gathered, input)->wait();
   return gathered.view(sizes);
 }
 

@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
+#include "ops/c10d_compat.h"
 #include "ops/collective_check.h"
 #include "ops/process_group.h"
 
@@ -41,7 +42,7 @@ at::Tensor exchange_rows(const at::Tensor& rows, const std::vector<int64_t>& sen
   // no shape check can apply (the ranks' shapes differ by design).
   auto send = send_rows, recv = recv_rows;
   RECORD_FUNCTION("torchpp::moe::all_to_all", std::vector<c10::IValue>());  // the span overlap is measured on
-  group->all_to_all_single(output, input, recv, send)->wait();
+  c10d_compat::all_to_all_single(*group, output, input, recv, send)->wait();
   return output;
 }
 
@@ -133,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
     check_same_input(*group, name, counts, CollectiveKind::AllToAll, op);
     received = at::empty_like(counts);
     std::vector<int64_t> even;
-    group->all_to_all_single(received, counts, even, even)->wait();
+    c10d_compat::all_to_all_single(*group, received, counts, even, even)->wait();
   }
   return {order, counts, received.view({group_size, num_experts / group_size}),
           at::scalar_tensor(dropped, counts.options())};

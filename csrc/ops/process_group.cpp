@@ -1,5 +1,6 @@
 #include "ops/process_group.h"
 
+#include "ops/c10d_compat.h"
 #include "ops/pass_groups.h"
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -37,7 +38,7 @@ void check_device_supported(
     const char* op_name) {
   const auto device_type = tensor.device().type();
   TORCH_CHECK(
-      group.hasBackendForDeviceType(device_type),
+      c10d_compat::has_backend_for(group, device_type),
       "torchpp.", op_name, ": tensor is on device '", tensor.device(),
       "' but process group '", group_name, "' (backend ", group.getBackendName(),
       ") has no backend for that device type; move the tensor to the group's device");
