@@ -39,6 +39,7 @@ def main():
     from torchpp.models import parallelize
 
     peak, n, peak_dtype = matmul_peak(device, args.small, args.repeats)
+    print(f"| measured peak, {n}^3 {peak_dtype} matmul | {peak / 1e12:.3g} TFLOP/s |", flush=True)
     if args.small:
         h, f, heads, s, layers, dtype = 256, 688, 4, 256, 4, torch.float32
     else:
@@ -61,7 +62,6 @@ def main():
     flops = 3 * layers * (8 * s * h * h + 6 * s * h * f + 4 * s * s * h)
     achieved = flops / median_spread(times)[0]
     print(f"stage MFU on {device}: {layers} layers, hidden {h}, ffn {f}, {heads} heads, seq {s}, {dtype}")
-    print(f"| measured peak, {n}^3 {peak_dtype} matmul | {peak / 1e12:.3g} TFLOP/s |")
     print(f"| forward + backward of the stage | {fmt_ms(times)}, {flops / 1e12:.3g} TFLOP |")
     print(f"| achieved | {achieved / 1e12:.3g} TFLOP/s |")
     print(f"| MFU, fraction of the measured peak | {achieved / peak:.3f} |")
