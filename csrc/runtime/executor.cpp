@@ -5,6 +5,7 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard: not through ATen.h on torch 2.11
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
