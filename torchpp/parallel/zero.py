@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from torchpp.parallel.collectives_compat import all_gather_single, reduce_scatter_single
 from torchpp.parallel.data_parallel import bucket_members
 
 
@@ -93,7 +94,7 @@ class _FlatGroup:
                 self.work = None
             return
         self.flat_param.untyped_storage().resize_(self.flat_param.numel() * self.flat_param.element_size())
-        self.work = dist.all_gather_single(self.flat_param, self.param_shard, group=group, async_op=True)
+        self.work = all_gather_single(self.flat_param, self.param_shard, group=group, async_op=True)
         self.gathered = True
         self.gathers += 1
         self.live.now += 1
@@ -210,7 +211,7 @@ class ZeroRedundancyOptimizer:
     def reduce_scatter_grads(self) -> None:
         """Each rank receives the DP-average of its shard of the gradients."""
         for flat in self.flat_groups:
-            dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=flat.group)
+            reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=flat.group)
             flat.grad_shard.div_(self.average_over)
 
     def shard_grads(self) -> List[torch.Tensor]:
@@ -234,7 +235,7 @@ class ZeroRedundancyOptimizer:
                 flat.release()
                 continue
             shard = flat.flat_param[flat.shard_lo : flat.shard_lo + flat.shard_size].clone()
-            dist.all_gather_single(flat.flat_param, shard, group=flat.group)
+            all_gather_single(flat.flat_param, shard, group=flat.group)
 
     def gather_params_of(self, params: Iterable[torch.Tensor], prefetch: bool = False) -> None:
         """ZeRO-3: gathers every bucket holding one of `params` (collective over dp: every rank

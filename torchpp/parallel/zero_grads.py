@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Iterable, List
 
 import torch
-import torch.distributed as dist
 
 from torchpp.parallel.backward_groups import pass_group
+from torchpp.parallel.collectives_compat import reduce_scatter_single
 from torchpp.parallel.data_parallel import GradReducer, _Bucket
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
@@ -84,7 +84,7 @@ class ShardedGradReducer(GradReducer):
     def _launch(self, bucket: _Bucket) -> None:
         flat = bucket.flat
         self._allocate(flat)  # a bucket no gradient reached reduces zeros
-        bucket.work = dist.reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=pass_group(self.group),
+        bucket.work = reduce_scatter_single(flat.grad_shard, flat.flat_grad, group=pass_group(self.group),
                                                  async_op=True)
         self._in_flight.append(bucket)
 
@@ -128,7 +128,7 @@ class ShardedGradReducer(GradReducer):
             return
         flat = bucket.flat
         part = torch.empty_like(flat.grad_shard)
-        dist.reduce_scatter_single(part, flat.flat_grad, group=self.group)
+        reduce_scatter_single(part, flat.flat_grad, group=self.group)
         bucket.rounds_sum = part if bucket.rounds_sum is None else bucket.rounds_sum.add_(part)
         flat.flat_grad.untyped_storage().resize_(0)  # the next accumulation allocates it again
         for p in flat.params:

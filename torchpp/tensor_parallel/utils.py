@@ -62,6 +62,7 @@ def allreduce_tp_replica_grads(module: torch.nn.Module, group=None) -> None:
     import torch.distributed as dist
 
     from torchpp.ops import group_of
+    from torchpp.parallel.collectives_compat import all_gather_single
 
     params = tp_replica_params(module)
     if not params:
@@ -75,7 +76,7 @@ def allreduce_tp_replica_grads(module: torch.nn.Module, group=None) -> None:
 
     def sum_copies(flat: torch.Tensor) -> torch.Tensor:
         gathered = flat.new_empty(group.size() * flat.numel())
-        dist.all_gather_into_tensor(gathered, flat, group=group)
+        all_gather_single(gathered, flat, group=group)
         return gathered.view(group.size(), -1)[first : first + replicas].sum(0)
 
     combine_flat_grads(params, sum_copies)
