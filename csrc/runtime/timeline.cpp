@@ -76,8 +76,15 @@ void Timeline::arrived(const std::string& recv_action, double when_us) {
 }
 
 void Timeline::finish_step() {
+  // One host wait per step, for the last span: those before it ran earlier on the same stream
+  // (a span recorded on another stream, still running, is waited on by itself).
+  if (!device_spans_.empty()) {
+    device_spans_.back().end.synchronize();
+  }
   for (auto& span : device_spans_) {
-    span.end.synchronize();
+    if (!span.end.query()) {
+      span.end.synchronize();
+    }
     auto& record = records_[span.index];
     record.start_us = reference_us_ + reference_->elapsedTime(span.start) * 1000.0;
     record.end_us = reference_us_ + reference_->elapsedTime(span.end) * 1000.0;
