@@ -14,11 +14,13 @@ TORCH_VERSION="$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[
 
 # Pin the installed torch so that no dependency can make pip resolve another one; transformers
 # is pinned too: the model sweep (docs/models.md) and the plan tests follow its model plans.
+# The training job (docs/training.md) reads local text with datasets, logs to tensorboard and
+# checksums checkpoints with crc32c.
 TRANSFORMERS_VERSION=5.24.0
-if ! "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout
+if ! "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout, datasets, tensorboard, crc32c
 assert transformers.__version__ == '$TRANSFORMERS_VERSION'" 2>/dev/null; then
   "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" tqdm matplotlib \
-    ninja pytest pytest-timeout
+    ninja pytest pytest-timeout datasets tensorboard crc32c
 fi
 
 # megatron-core for the Megatron drop-in's tests: 0.16.x is the newest release for Python 3.11
