@@ -282,9 +282,10 @@ def test_llama_demo_resumes_and_reads_local_data_and_tokenizer(tmp_path):
     again = run([demo, *small, "--out", str(tmp_path / "resumed")], tmp_path, nproc=4)
     assert "at step 2 (model, optimizer, LR schedule, data position" in again, again[-2000:]
     assert sorted(losses(again)) == [3], again[-2000:]
-    exact = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
-    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert resumed[0]["loss"] == exact[2]["loss"] and resumed[0]["eval_loss"] == exact[2]["eval_loss"], \
+    exact, resumed = ({r["step"]: r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())}
+                      for name in ("whole", "resumed"))
+    assert sorted(resumed) == [3] and sorted(exact) == [0, 1, 2, 3], (resumed, exact)
+    assert resumed[3]["loss"] == exact[3]["loss"] and resumed[3]["eval_loss"] == exact[3]["eval_loss"], \
         (resumed, exact)  # bit for bit
     (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"text": f"Document {i}: " + "words and more words. " * 60})
                                                   + "\n" for i in range(40)))
