@@ -39,21 +39,29 @@ TORCH_VERSION="$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[
 
 # Pin the installed torch so that no dependency can make pip resolve another one; transformers
 # is pinned too: the model sweep (docs/models.md) and the plan tests follow its model plans.
+# The training job (docs/training.md) reads local text with datasets, logs to tensorboard and
+# checksums checkpoints with crc32c.
 TRANSFORMERS_VERSION=5.24.0
+CORE_DEPS="transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout"
+TRAINING_DEPS="datasets, tensorboard, crc32c"
 deps_ok() {
-  "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout
+  "$PYTHON" -c "import $1
 assert transformers.__version__ == '$TRANSFORMERS_VERSION', transformers.__version__" 2>/dev/null
 }
-if ! deps_ok; then
+if ! deps_ok "$CORE_DEPS, $TRAINING_DEPS"; then
   if [ "$OFFLINE" = 1 ]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      "$CARRIED"/*.whl
-    deps_ok || { "$PYTHON" -c "import transformers, tqdm, matplotlib, ninja, pytest, pytest_timeout
+    if ls "$CARRIED"/*.whl >/dev/null 2>&1; then
+      "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$CARRIED"/*.whl
+    fi
+    deps_ok "$CORE_DEPS" || { "$PYTHON" -c "import $CORE_DEPS
 print('transformers', transformers.__version__)" >&2 || true
       echo "torchpp: dependencies missing after installing the carried wheels (above)" >&2; exit 1; }
+    # Offline, the training job's extras are optional: what needs them says so when it runs.
+    "$PYTHON" -c "import $TRAINING_DEPS" 2>/dev/null || echo "torchpp: offline without some of $TRAINING_DEPS (carry their wheels for the training job and checkpoint checksums)" >&2
   else
     "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" tqdm matplotlib \
-      ninja pytest pytest-timeout
+      ninja pytest pytest-timeout datasets tensorboard crc32c
   fi
 fi
 

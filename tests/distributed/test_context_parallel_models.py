@@ -89,3 +89,27 @@ def test_cp2_with_tp2_pp2_or_dp2(ranks, dim, model_type):
 
 def test_cp_errors_name_the_values(ranks):
     assert ranks(2).run(check_errors, timeout=TIMEOUT_S) == [True, True]
+
+
+def check_segments_agree():
+    """A boundary in rank 0's chunks only (zigzag: rank 0 holds chunks 0 and 3, rank 1 chunks 1
+    and 2): rank 1's tokens all lie in one sequence, yet both ranks pass segment ids to the op,
+    which exchanges them with the keys and values (a rank passing none used to hang both)."""
+    from torchpp.context_parallel.hf import ContextParallel, _segment_ids
+
+    state = torchpp.init_parallel(cp=2)
+    cp = ContextParallel(state.cp_group)
+    packed = torch.arange(16).unsqueeze(0)
+    packed[:, 2:] -= 2  # one document of 2 tokens, then one of 14
+    local = cp.shard(packed)
+    starts = cp.positions(16, local.device) - local
+    alone = bool((starts == starts[..., :1]).all())
+    segments = _segment_ids(cp, local, local.size(1))
+    plain = _segment_ids(cp, cp.shard(torch.arange(16).unsqueeze(0)), local.size(1))
+    return alone, segments is not None, plain is None
+
+
+def test_cp_ranks_agree_on_packed_segments(ranks):
+    results = ranks(2).run(check_segments_agree, timeout=TIMEOUT_S)
+    assert [alone for alone, _, _ in results] == [False, True], results  # the case: rank 1 alone sees one sequence
+    assert all(passed and plain for _, passed, plain in results), results

@@ -78,7 +78,7 @@ def _train(state, schedule, zero, post_validate, scaled, checkpoint=None):
         # The last update is settled by flush(), or by saving a checkpoint, between zero_grad
         # and the next backward: the gradients stay as they were.
         optimizer.zero_grad()
-        updated = [p for g in optimizer._torch_optimizer.param_groups for p in g["params"]]
+        updated = [p for g in optimizer.torch_optimizer.param_groups for p in g["params"]]
         before = [None if p.grad is None else p.grad.clone() for p in updated]
         if checkpoint:
             from torchpp.checkpoint import save_checkpoint, stage_parameters

@@ -6,6 +6,7 @@ the reader to save and run), so an API change that breaks a page fails here.
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,3 +252,44 @@ def test_expert_parallel_page_example_trains(tmp_path):
     assert output.count("experts 2 of 4") == 2, output
     found = losses(output)
     assert sorted(found) == list(range(5)) and found[4] < found[0], found
+
+
+# ---- docs/training.md: the main job's data, checkpoints and resume ----
+def test_training_page_loop_resumes_from_its_checkpoint(tmp_path):
+    """train_text.py 4 saves steps 2 and 4; train_text.py 6 resumes at 4 by itself and trains 5 and 6."""
+    (tmp_path / "train_text.py").write_text(python_block("training.md", "train_text.py"))
+    first = run(["train_text.py", "4"], tmp_path, nproc=2)
+    assert sorted(losses(first)) == [1, 2, 3, 4] and "resumed" not in first, first[-2000:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_4"
+    second = run(["train_text.py", "6"], tmp_path, nproc=2)
+    assert "resumed at step 4" in second and sorted(losses(second)) == [5, 6], second[-2000:]
+
+
+def test_llama_demo_resumes_and_reads_local_data_and_tokenizer(tmp_path):
+    """The demo started again on a checkpoint directory resumes by itself: a run's directory as a
+    crash after step 2 would leave it (step_3 gone, latest naming step_2) gives step 3's loss bit
+    for bit; --data reads a .jsonl file, --tokenizer the tokenizer --save-hf wrote."""
+    demo = os.path.join(ROOT, "examples", "train_llama.py")
+    small = ["--hidden", "32", "--ffn", "64", "--layers", "2", "--seq", "32", "--batch", "8", "--eval-every", "2",
+             "--steps", "3", "--checkpoint-every", "2"]
+    whole = run([demo, *small, "--out", str(tmp_path / "whole"), "--save-hf", str(tmp_path / "hf")], tmp_path, nproc=4)
+    assert re.search(r"held-out loss [\d.]+ at step 2", whole), whole[-2000:]
+    assert (tmp_path / "whole" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert any((tmp_path / "whole" / "tensorboard").iterdir())
+    shutil.copytree(tmp_path / "whole" / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_3")
+    (tmp_path / "resumed" / "checkpoints" / "latest").write_text("step_2\n")
+    again = run([demo, *small, "--out", str(tmp_path / "resumed")], tmp_path, nproc=4)
+    assert "at step 2 (model, optimizer, LR schedule, data position" in again, again[-2000:]
+    assert sorted(losses(again)) == [3], again[-2000:]
+    exact, resumed = ({r["step"]: r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())}
+                      for name in ("whole", "resumed"))
+    assert sorted(resumed) == [3] and sorted(exact) == [0, 1, 2, 3], (resumed, exact)
+    assert resumed[3]["loss"] == exact[3]["loss"] and resumed[3]["eval_loss"] == exact[3]["eval_loss"], \
+        (resumed, exact)  # bit for bit
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps({"text": f"Document {i}: " + "words and more words. " * 60})
+                                                  + "\n" for i in range(40)))
+    own = run([demo, *small, "--data", "texts.jsonl", "--tokenizer", str(tmp_path / "hf"), "--checkpoint-dir", "none",
+               "--out", str(tmp_path / "own")], tmp_path, nproc=4)
+    assert "text: texts.jsonl, 40 documents; the tokenizer in" in own and sorted(losses(own)) == [1, 2, 3], \
+        own[-2000:]

@@ -185,7 +185,10 @@ def run_job(root: str, crash: Optional[Crash] = None, template: Optional[str] = 
             if any(p.exitcode not in (None, 0) for p in procs):  # torchrun's agent stops the whole job
                 for proc in procs:
                     if proc.exitcode is None:
-                        os.kill(proc.pid, signal.SIGKILL)
+                        try:
+                            os.kill(proc.pid, signal.SIGKILL)
+                        except ProcessLookupError:  # it ended on its own since the check
+                            pass
             time.sleep(0.02)
         for proc in procs:
             proc.join()

@@ -12,6 +12,7 @@ where {name} is the parameter's name in the unsharded, one-process model.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -19,8 +20,10 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from torchpp.checkpoint import directory
+from torchpp.checkpoint.checksums import record_checksums, verify_checksums
 from torchpp.checkpoint.chunks import ChunkedTensor
 from torchpp.checkpoint.layout import ModelLike, WholeLayout, as_dtensor, named_parameters, saved_whole, tp_partition
 from torchpp.checkpoint.optimizer import _unwrap, optimizer_entries, optimizer_targets
@@ -114,6 +117,46 @@ def save_checkpoint(
     Returns:
         The committed checkpoint directory.
     """
+    staged = stage_state(step, model, optimizer, extra=extra, state=state, grad_scaler=grad_scaler)
+    try:
+        return write_staged(root, staged)
+    finally:
+        staged.release()
+
+
+@dataclass
+class StagedState:
+    """A training state ready for DCP: entries, the chunked ones, and what to undo afterwards."""
+
+    step: int
+    entries: Dict[str, Any]
+    chunked: Dict[str, ChunkedTensor]
+    sharded: Any = None  # a ZeRO-3 optimizer whose gathered parameters are released afterwards
+
+    def release(self) -> None:
+        if self.sharded is not None:
+            self.sharded.release_all_params()
+            self.sharded = None
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a state entry that later training steps cannot change."""
+    if isinstance(value, DTensor):
+        return DTensor.from_local(value.to_local().clone(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    if isinstance(value, ChunkedTensor):
+        return ChunkedTensor(value.global_shape, value.offsets, [t.clone() for t in value.tensors])
+    if torch.is_tensor(value):
+        return value.clone()
+    return copy.deepcopy(value)
+
+
+@torch.no_grad()
+def stage_state(step: int, model: ModelLike, optimizer=None, *, extra: Any = None,
+                state: Optional[ParallelState] = None, grad_scaler=None, copy_tensors: bool = False) -> StagedState:
+    """This rank's training state as DCP entries (collective over TP and expert groups, which
+    gather tensors saved whole). With `copy_tensors`, every entry is a copy, so training may go
+    on while a background thread writes it (see AsyncCheckpointer). Arguments as save_checkpoint."""
     state = state or get_parallel_state()
     if getattr(optimizer, "post_validate", False):
         optimizer.flush()  # a speculative update is validated (and redone if need be) before it is saved
@@ -131,12 +174,25 @@ def save_checkpoint(
     if scaler is not None:
         entries[GRAD_SCALER] = scaler.state_dict()
     entries[META] = {"step": step, "extra": extra}
-    tmp = directory.on_rank0(lambda: directory.prepare(root, step))
-    dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkedSavePlanner(chunked))
-    dist.barrier()  # every rank's files are complete before the rename makes them the checkpoint
-    if sharded is not None:
-        sharded.release_all_params()
-    return directory.on_rank0(lambda: directory.commit(root, step))
+    staged = StagedState(step, entries, chunked, sharded)
+    if copy_tensors:
+        staged = StagedState(step, {k: _copy(v) for k, v in entries.items()},
+                             {k: _copy(v) for k, v in chunked.items()})
+        if sharded is not None:
+            sharded.release_all_params()
+    return staged
+
+
+def write_staged(root: str, staged: StagedState, group=None) -> str:
+    """Writes a staged state to `root/step_N.tmp`, records every file's checksum and commits
+    it as `root/step_N` (see save_checkpoint). Collective over `group` (default: the world);
+    it runs no other collective, so a background thread may call it on a group of its own."""
+    tmp = directory.on_rank0(lambda: directory.prepare(root, staged.step), group=group)
+    dcp.save(staged.entries, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkedSavePlanner(staged.chunked),
+             process_group=group)
+    dist.barrier(group=group)  # every rank's files are complete before they are checksummed and committed
+    checksums = record_checksums(tmp, group)
+    return directory.on_rank0(lambda: directory.commit(root, staged.step, checksums), group=group)
 
 
 @torch.no_grad()
@@ -148,6 +204,7 @@ def load_checkpoint(
     step: Optional[int] = None,
     state: Optional[ParallelState] = None,
     grad_scaler=None,
+    verify: bool = True,
 ) -> LoadedCheckpoint:
     """Loads a checkpoint into this rank's model part (and optimizer), in place.
 
@@ -168,13 +225,22 @@ def load_checkpoint(
         grad_scaler: the fp16 loss scaler to restore (default: the optimizer's, if it is a
             DistributedOptimizer with one); a checkpoint saved without one leaves it as is, with
             a warning.
+        verify: check every file against the checksum recorded when it was saved, before
+            anything is read (each rank reads its share of the files once more): a file that
+            differs raises CorruptCheckpointError on every rank, naming it, and nothing is
+            loaded. False skips the check (a missing or short file is still refused).
 
     Returns:
         A LoadedCheckpoint with the step, the `extra` object and whether RNG was restored.
     """
     state = state or get_parallel_state()
-    # Rank 0 chooses (and checks complete), so every rank reads the same directory or raises the same error.
-    path = directory.on_rank0(lambda: directory.checkpoint_to_load(root, step), keep_type=True)
+    # Rank 0 chooses, so every rank reads the same directory or raises the same error.
+    path = directory.on_rank0(lambda: directory.checkpoint_to_load(root, step, check=False), keep_type=True)
+    if not (verify and verify_checksums(path)):  # checksums passed: every file is as it was committed
+        if verify:
+            warnings.warn(f"torchpp.checkpoint: {path} records no checksums (saved by an older torchpp); its files "
+                          f"are not verified")
+        directory.on_rank0(lambda: directory.check_complete(path), keep_type=True)
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
     params = named_parameters(model)

@@ -121,10 +121,11 @@ def _existing(root: str) -> str:
             + (_named_by_latest(root) or "nothing (no 'latest' file)"))
 
 
-def checkpoint_to_load(root: str, step: Optional[int]) -> str:
+def checkpoint_to_load(root: str, step: Optional[int], check: bool = True) -> str:
     """The directory to load: `step`'s, else the latest (see latest_checkpoint). Raises
-    FileNotFoundError naming what exists when there is none, IncompleteCheckpointError saying
-    what is missing when it is not complete; warns about newer directories it refused."""
+    FileNotFoundError naming what exists when there is none; with `check`, also
+    IncompleteCheckpointError saying what is missing when it is not complete (see
+    check_complete); warns about newer directories it refused."""
     if step is None:
         path, notes = resolve_latest(root)
         for note in notes:
@@ -139,11 +140,18 @@ def checkpoint_to_load(root: str, step: Optional[int]) -> str:
         path = step_dir(root, step)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"torchpp.checkpoint: no checkpoint for step {step} in {root}; {_existing(root)}")
+    if check:
+        check_complete(path)
+    return path
+
+
+def check_complete(path: str) -> None:
+    """Raises IncompleteCheckpointError saying what is missing when `path` is not complete."""
     reason = incomplete_reason(path)
     if reason is not None:
+        root = os.path.dirname(path)
         raise IncompleteCheckpointError(f"torchpp.checkpoint: {path} is not a complete checkpoint: {reason}; "
                                         f"{_existing(root)}")
-    return path
 
 
 def prepare(root: str, step: int) -> str:
@@ -187,16 +195,17 @@ def commit_directory(final: str) -> str:
     return final
 
 
-def on_rank0(fn: Callable[[], Any], keep_type: bool = False) -> Any:
-    """Runs fn on global rank 0 and returns its result on every rank; its error raises everywhere
-    (as a RuntimeError saying rank 0 failed, or with keep_type, as an error of its own type)."""
+def on_rank0(fn: Callable[[], Any], keep_type: bool = False, group=None) -> Any:
+    """Runs fn on global rank 0 and returns its result on every rank of `group` (default: the
+    world, which holds rank 0); its error raises everywhere (as a RuntimeError saying rank 0
+    failed, or with keep_type, as an error of its own type)."""
     box = [None, None]
     if dist.get_rank() == 0:
         try:
             box[0] = fn()
         except Exception as error:  # noqa: BLE001 (re-raised on every rank below)
             box[1] = (type(error), str(error))
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     if box[1] is not None:
         kind, text = box[1]
         if keep_type:
@@ -209,8 +218,13 @@ def on_rank0(fn: Callable[[], Any], keep_type: bool = False) -> Any:
     return box[0]
 
 
-def commit(root: str, step: int) -> str:
-    """Renames `step_N.tmp` to `step_N` and points `latest` at it; returns the final path."""
+def commit(root: str, step: int, checksums: Optional[Dict[str, dict]] = None) -> str:
+    """Writes the files' checksums into `step_N.tmp` (when given), renames it to `step_N` and
+    points `latest` at it; returns the final path."""
+    if checksums is not None:
+        from torchpp.checkpoint.checksums import write_manifest
+
+        write_manifest(step_dir(root, step) + TMP_SUFFIX, checksums)
     final = commit_directory(step_dir(root, step))
     pointer = os.path.join(root, LATEST + TMP_SUFFIX)
     with open(pointer, "w") as f:

@@ -17,6 +17,7 @@ full-batch gradient; the loss a caller sees is the sum over cp (the batch mean).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -105,15 +106,27 @@ def shard_batch(cp: ContextParallel, *, input_ids=None, inputs_embeds=None, labe
     return out
 
 
+# id(ContextParallel) -> (the position ids last decided on, their version, the segment ids or None)
+_SEGMENTS_DECIDED: Dict[int, tuple] = {}
+
+
 def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], local_len: int) -> Optional[torch.Tensor]:
     """Packed sequences' ids (each token's sequence start: its global index minus its position),
-    or None when each row holds one sequence."""
+    or None when each row holds one sequence. Collective over the cp group, once per position
+    ids tensor (every layer of a forward gets the same one)."""
     if position_ids is None:
         return None
+    decided = _SEGMENTS_DECIDED.get(id(cp))
+    if decided is not None and decided[0]() is position_ids and decided[1] == position_ids._version:
+        return decided[2]
     starts = cp.positions(local_len * cp.size, position_ids.device) - position_ids
-    if bool((starts == starts[..., :1]).all()):
-        return None
-    return starts
+    # The op exchanges segment ids with the keys and values, so every cp rank must pass them or
+    # none: a rank whose chunks hold one sequence may pair with one whose chunks hold a boundary.
+    packed = (starts != starts[..., :1]).any().to(torch.int32).reshape(1)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=cp.group)
+    result = starts if bool(packed) else None
+    _SEGMENTS_DECIDED[id(cp)] = (weakref.ref(position_ids), position_ids._version, result)
+    return result
 
 
 def _attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

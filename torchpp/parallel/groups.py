@@ -148,6 +148,18 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _check_restart_store() -> None:
+    """A torchrun restart whose workers share the agent's rendezvous store finds the previous
+    attempt's addresses there (pytorch/pytorch#135712) and fails to connect, or hangs: say so."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            f"torchpp: this is restart {restart} of a torchrun job whose workers share the agent's rendezvous "
+            f"TCPStore, which still holds the previous attempt's addresses (pytorch/pytorch#135712); start torchrun "
+            f"with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment so that each attempt gets a store of its "
+            f"own (docs/training.md, 'Restarts that lose nothing')")
+
+
 def init_parallel(
     tp: int = 1,
     pp: int = 1,
@@ -186,6 +198,7 @@ def init_parallel(
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if device.type == "cuda" else "gloo"
+        _check_restart_store()
         dist.init_process_group(backend, timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = _validate(world, tp, pp, cp, dp, num_heads, num_layers)

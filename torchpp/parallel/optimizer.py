@@ -22,7 +22,7 @@ from torchpp.parallel.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from torchpp.parallel.grad_scaler import GradScaler
 from torchpp.parallel.groups import ParallelState, get_parallel_state
 from torchpp.parallel.nonfinite import DEFAULT_SKIP_LIMIT, SkipCounter, locate_nonfinite, parameter_names
-from torchpp.parallel.post_validation import BackupBuffers, SpeculativeStep
+from torchpp.parallel.post_validation import BackupBuffers, SpeculativeStep, current_options, restore_options
 from torchpp.parallel.rank_memory import rank_memory_bytes
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 from torchpp.parallel.zero_grads import ShardedGradReducer
@@ -181,8 +181,9 @@ class DistributedOptimizer:
         self._backups = BackupBuffers()
 
     @property
-    def _torch_optimizer(self) -> torch.optim.Optimizer:
-        """The torch.optim optimizer whose param_groups hold what is updated (ZeRO: the shards)."""
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch.optim optimizer whose param_groups hold what is updated (ZeRO: the shards):
+        the one to give an LR scheduler."""
         return self.optimizer.optimizer if self.zero else self.optimizer
 
     @property
@@ -223,7 +224,7 @@ class DistributedOptimizer:
     def memory_bytes(self) -> dict:
         """Bytes this rank holds now for parameters, gradients (full and sharded) and optimizer
         state, each storage counted once."""
-        return rank_memory_bytes(self.params, self.optimizer if self.zero else None, self._torch_optimizer)
+        return rank_memory_bytes(self.params, self.optimizer if self.zero else None, self.torch_optimizer)
 
     def step(self) -> Optional[torch.Tensor]:
         """Reduces gradients over dp, unscales, clips, updates; returns the global gradient norm
@@ -273,7 +274,7 @@ class DistributedOptimizer:
         found_inf = scaler.unscale_locally_(self.optimizer) if scaler is not None else None  # agreed in flush()
         pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
         squares = expert_summed_squared_norm(pairs, self.state.tp_rank, self._expert_norm_group)
-        self._speculative = SpeculativeStep(self._torch_optimizer, squares, group, self._backups, scaler, found_inf)
+        self._speculative = SpeculativeStep(self.torch_optimizer, squares, group, self._backups, scaler, found_inf)
         # Unclipped equals clipped whenever the clip coefficient is 1, which flush() checks.
         self.optimizer.step(**({"grads_reduced": True} if self.zero else {}))
         if scaler is not None:
@@ -294,13 +295,13 @@ class DistributedOptimizer:
         self.last_grad_norm = norm
         self.last_step_skipped = pending.found_inf()
         if self.last_step_skipped:  # the synchronous step would have skipped the update
-            pending.restore_grads(pending.rewind(self._torch_optimizer))
+            pending.restore_grads(pending.rewind(self.torch_optimizer))
             if self.zero:
                 self.optimizer.all_gather_params()  # the other shards' rewound values
             pending.back_off_scale()
             return True
         if pending.grad_scaler is None and not bool(torch.isfinite(norm)):  # the non-finite guard's skip
-            current_grads = pending.rewind(self._torch_optimizer)  # the skipped step's gradients are back
+            current_grads = pending.rewind(self.torch_optimizer)  # the skipped step's gradients are back
             pairs, group = norm_inputs(self.params, self.state, self.optimizer if self.zero else None)
             report = self._locate(pairs, group, norm)
             pending.restore_grads(current_grads)
@@ -312,10 +313,12 @@ class DistributedOptimizer:
         self._skips.passed()
         if clip_coefficient(norm, self.max_norm).item() == 1.0:
             return False
-        optimizer = self._torch_optimizer
-        current_grads = pending.rewind(optimizer)
+        optimizer = self.torch_optimizer
+        options = current_options(optimizer)  # an LR scheduler may have moved them since the update
+        current_grads = pending.rewind(optimizer, keep_options=False)
         clip_grads_([t.grad for t in pending.tensors], norm, self.max_norm)
-        self.optimizer.step(**({"grads_reduced": True} if self.zero else {}))
+        self.optimizer.step(**({"grads_reduced": True} if self.zero else {}))  # with the update's own lr
+        restore_options(optimizer, options)
         pending.restore_grads(current_grads)
         self.redone_steps += 1
         return True

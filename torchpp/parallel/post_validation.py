@@ -47,6 +47,16 @@ class BackupBuffers:
         return kept
 
 
+def current_options(optimizer: torch.optim.Optimizer) -> List[dict]:
+    """Each param group's options (lr, betas, ...), without its parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def restore_options(optimizer: torch.optim.Optimizer, options: List[dict]) -> None:
+    for group, saved in zip(optimizer.param_groups, options):
+        group.update(saved)
+
+
 class SpeculativeStep:
     """What undoes one speculative update: copies of the parameters, gradients and optimizer
     state it started from (and the loss scale's), and the in-flight all-reduces of the
@@ -91,16 +101,17 @@ class SpeculativeStep:
         self.grad_scaler.update_from(torch.ones((), dtype=torch.float32))
 
     @torch.no_grad()
-    def rewind(self, optimizer: torch.optim.Optimizer) -> List[Optional[torch.Tensor]]:
+    def rewind(self, optimizer: torch.optim.Optimizer, keep_options: bool = True) -> List[Optional[torch.Tensor]]:
         """Puts parameters, gradients and optimizer state back as they were before the update
-        (param-group options, which an LR scheduler may have moved since, stay current);
-        returns the gradients that were there, for ``restore_grads``."""
-        options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        (param-group options, which an LR scheduler may have moved since, stay current unless
+        not `keep_options`: a redo of the update uses the options it had); returns the
+        gradients that were there, for ``restore_grads``."""
+        options = current_options(optimizer)
         # Clones: load_state_dict keeps the tensors it is given, and the buffers are reused.
         leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in self._state_leaves]
         optimizer.load_state_dict(tree_unflatten(leaves, self._state_spec))
-        for group, current in zip(optimizer.param_groups, options):
-            group.update(current)
+        if keep_options:
+            restore_options(optimizer, options)
         current_grads = []
         for tensor, param, grad in zip(self.tensors, self.params, self.grads):
             tensor.copy_(param)
