@@ -266,8 +266,8 @@ def test_migrating_page_loop_gives_torchs_losses_and_gradients(tmp_path, schedul
     assert migrated.count("torchpp.pipeline") == 2 and "torch.distributed.pipelining" not in migrated
     results = {}
     for name, text in (("torch", program), ("torchpp", migrated)):
-        (tmp_path / f"{name}.py").write_text(text)
-        out = run([f"{name}.py", schedule, frontend], tmp_path, nproc=2)
+        (tmp_path / f"loop_{name}.py").write_text(text)  # not torch.py: it would shadow the package
+        out = run([f"loop_{name}.py", schedule, frontend], tmp_path, nproc=2)
         results[name] = {int(s): (float(loss), float(norm)) for s, loss, norm in MIGRATION.findall(out)}
     assert sorted(results["torch"]) == list(range(4)), results
     assert results["torchpp"].keys() == results["torch"].keys(), results
