@@ -38,7 +38,8 @@ def _check_gradient_examples(stage_index: int, name: str, grads, args_name: str,
 
 class PipelineStage(StageChunks):
     """A stage module and where it sits in the pipeline; torch.distributed.pipelining's
-    arguments, in its order, and ``tp_group``.
+    arguments, in its order, and ``tp_group``. torch's per-microbatch methods
+    (``forward_one_chunk``, ``backward_one_chunk``, ...) come from ``StageChunks``.
 
     Args:
         submodule: the stage's module. The first stage's takes the microbatch (and any further
