@@ -96,8 +96,13 @@ def torchpp_step_fn(name, width, m, ids, num_stages, group, split=None, batch=No
     return (lambda: sched.step(x, target=y)), sched
 
 
-def torch_step_fn(cls_name, width, m, ids, num_stages, group):
-    from torch.distributed import pipelining as tpp
+def torch_step_fn(cls_name, width, m, ids, num_stages, group, library="torch"):
+    """The step of torch's program: its stage and schedule classes, imported from torch, or
+    (library="torchpp") from torchpp.pipeline with nothing else changed (the migration)."""
+    if library == "torch":
+        from torch.distributed import pipelining as tpp
+    else:
+        import torchpp.pipeline as tpp
 
     stages = [tpp.PipelineStage(stage_module(width, False, s), s, num_stages, torch.device("cpu"), group=group)
               for s in ids]
@@ -165,12 +170,15 @@ def alone(step):
     return cpu
 
 
-def bench_pairs(rank, repeats, width, m, group):
+def bench_pairs(rank, repeats, width, m, group, dropin=False):
     rows = []
     for label, name, cls_name, per_rank, placement in PAIRS:
         ids = stage_ids(rank, per_rank, placement)
         num_stages = P * per_rank
-        ours, _ = torchpp_step_fn(name, width, m, ids, num_stages, group)
+        if dropin:  # torch's program, its imports switched to torchpp.pipeline
+            ours = torch_step_fn(cls_name, width, m, ids, num_stages, group, library="torchpp")
+        else:
+            ours, _ = torchpp_step_fn(name, width, m, ids, num_stages, group)
         theirs = torch_step_fn(cls_name, width, m, ids, num_stages, group)
         floor = compute_floor_fn(name, per_rank, m, ids, num_stages) if width == TINY else None
         for _ in range(3):  # warm up all
@@ -356,7 +364,7 @@ def bench_split_linear(repeats):
     return t_split, t_std
 
 
-def worker(rank, init_file, repeats, pin, sections, results):
+def worker(rank, init_file, repeats, pin, sections, results, dropin=False):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     if pin:  # rank r on core r, as a launcher binds ranks; gloo's threads inherit it
@@ -368,7 +376,7 @@ def worker(rank, init_file, repeats, pin, sections, results):
     group = dist.group.WORLD
     out = {}
     if "1" in sections:
-        out["step"] = [row for m in STEP_MS for row in bench_pairs(rank, repeats, HIDDEN, m, group)]
+        out["step"] = [row for m in STEP_MS for row in bench_pairs(rank, repeats, HIDDEN, m, group, dropin)]
     if "2" in sections:
         out["overhead"] = bench_pairs(rank, repeats, TINY, TINY_M, group)
     if "4" in sections:
@@ -446,12 +454,16 @@ def main():
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="leave rank placement to the OS scheduler (default: rank r on core r)")
     parser.add_argument("--sections", default="12345", help="which of the sections 1-5 to run (default: all)")
+    parser.add_argument("--dropin", action="store_true",
+                        help="section 1 runs torch's program with its imports switched to torchpp.pipeline (torch's "
+                             "classes and calls, torchpp's executor) instead of build_schedule")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=worker,
-                             args=(r, os.path.join(tmp, "store"), args.repeats, args.pin, args.sections, results))
+                             args=(r, os.path.join(tmp, "store"), args.repeats, args.pin, args.sections, results,
+                                   args.dropin))
                  for r in range(P)]
         for proc in procs:
             proc.start()

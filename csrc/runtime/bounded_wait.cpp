@@ -22,7 +22,10 @@ std::string seconds(std::chrono::steady_clock::duration duration) {
 WaitBound wait_bound(std::chrono::milliseconds timeout, c10d::ProcessGroup& group, c10::DeviceType device_type) {
   std::chrono::milliseconds own{0};
   try {
-    own = group.getBackend(device_type)->getBackendOptions()->timeout;
+    // Test backends (torch's "fake") have neither options nor a store: no timeout of their own.
+    auto backend = group.getBackend(device_type);
+    auto options = backend ? backend->getBackendOptions() : nullptr;
+    if (options) own = options->timeout;
   } catch (const std::exception&) {
     // A backend that does not report its options: the pipeline's timeout alone.
   }

@@ -293,3 +293,26 @@ def test_llama_demo_resumes_and_reads_local_data_and_tokenizer(tmp_path):
                "--out", str(tmp_path / "own")], tmp_path, nproc=4)
     assert "text: texts.jsonl, 40 documents; the tokenizer in" in own and sorted(losses(own)) == [1, 2, 3], \
         own[-2000:]
+
+
+MIGRATION = re.compile(r"step (\d+) loss ([0-9.]+) grad_norm ([0-9.]+)")
+
+
+@pytest.mark.parametrize("schedule,frontend", [("1F1B", "manual"), ("Interleaved1F1B", "tracer"),
+                                               ("ZBVZeroBubble", "manual")])
+def test_migrating_page_loop_gives_torchs_losses_and_gradients(tmp_path, schedule, frontend):
+    """docs/migrating.md: the torchtitan-style loop as written (torch) and with its imports
+    changed to torchpp.pipeline prints the same loss and gradient norm at every step."""
+    program = python_block("migrating.md", "`titan_loop.py`")
+    migrated = program.replace("from torch.distributed.pipelining", "from torchpp.pipeline")
+    assert migrated.count("torchpp.pipeline") == 2 and "torch.distributed.pipelining" not in migrated
+    results = {}
+    for name, text in (("torch", program), ("torchpp", migrated)):
+        (tmp_path / f"loop_{name}.py").write_text(text)  # not torch.py: it would shadow the package
+        out = run([f"loop_{name}.py", schedule, frontend], tmp_path, nproc=2)
+        results[name] = {int(s): (float(loss), float(norm)) for s, loss, norm in MIGRATION.findall(out)}
+    assert sorted(results["torch"]) == list(range(4)), results
+    assert results["torchpp"].keys() == results["torch"].keys(), results
+    for step, (loss, norm) in results["torch"].items():
+        assert results["torchpp"][step] == pytest.approx((loss, norm), rel=1e-9), (step, results)
+    assert results["torch"][3][0] < results["torch"][0][0]  # it trains

@@ -11,13 +11,19 @@ compiler is one call away::
 
 The executor is C++ (csrc/runtime); see docs/pipeline.md.
 """
-from torchpp.pipeline import microbatch, weight_grad_store
+from torchpp.pipeline import actions, microbatch, weight_grad_store
+from torchpp.pipeline.actions import Action, ComputationType
+from torchpp.pipeline.build import build_schedule
 from torchpp.pipeline.errors import PipelineConfigError, PipelineError, PipelineShapeError, PipelineTimeoutError
-from torchpp.pipeline.schedules import PipelineSchedule, build_schedule
+from torchpp.pipeline.placement import generate_stage_to_rank_mapping
+from torchpp.pipeline.schedules import OUTPUT_IS_LOSS, PipelineSchedule
 from torchpp.pipeline.split import StageSequential, split_model
 from torchpp.pipeline.split_linear import SplitBWLinear, split_bw_linear
 from torchpp.pipeline.stage import PipelineStage
 from torchpp.pipeline.torch_names import (
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    _ScheduleForwardOnly,
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     Schedule1F1B,
@@ -34,6 +40,12 @@ from torchpp.pipeline import tracing
 from torchpp.pipeline.tracing import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 
 __all__ = [
+    "_PipelineSchedule",
+    "_PipelineScheduleRuntime",
+    "_ScheduleForwardOnly",
+    "Action",
+    "ComputationType",
+    "OUTPUT_IS_LOSS",
     "Pipe",
     "PipelineConfigError",
     "PipelineError",
@@ -56,7 +68,9 @@ __all__ = [
     "build_schedule",
     "build_stage",
     "export_chrome_trace",
+    "generate_stage_to_rank_mapping",
     "get_schedule_class",
+    "actions",
     "microbatch",
     "pipe_split",
     "pipeline",

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpp import ops
+from torchpp.pipeline.stage_chunks import StageChunks
 
 
 def _examples(stage_index: int, name: str, value, allow_none: bool = False) -> Optional[List[Optional[torch.Tensor]]]:
@@ -35,9 +36,10 @@ def _check_gradient_examples(stage_index: int, name: str, grads, args_name: str,
                              f"and shape of its tensor")
 
 
-class PipelineStage:
+class PipelineStage(StageChunks):
     """A stage module and where it sits in the pipeline; torch.distributed.pipelining's
-    arguments, in its order, and ``tp_group``.
+    arguments, in its order, and ``tp_group``. torch's per-microbatch methods
+    (``forward_one_chunk``, ``backward_one_chunk``, ...) come from ``StageChunks``.
 
     Args:
         submodule: the stage's module. The first stage's takes the microbatch (and any further
@@ -116,6 +118,8 @@ class PipelineStage:
                                  _examples(stage_index, "output_grads", output_grads, True), "output_args",
                                  self.output_tensors)
         self.submod = submodule
+        # What runs the stage: the module, or for a traced stage the chain around it (tracing.py).
+        self._forward_fn: Callable = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.device = torch.device(device)
@@ -129,6 +133,9 @@ class PipelineStage:
         self.split_bw = split_bw
         # Names of the submodules swapped onto the split op, set when a schedule is built.
         self.split_bw_modules: List[str] = []
+        # Stage index -> pipeline rank, as torch's stages carry it (set by the schedule).
+        self.stage_index_to_group_rank: dict = {}
+        self._init_chunk_state()
 
     @property
     def is_first(self) -> bool:
@@ -140,3 +147,7 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, rank={self.group_rank})"
+
+
+# torch's name for the stage base class (isinstance checks, type hints).
+_PipelineStageBase = PipelineStage

@@ -27,19 +27,22 @@ from torchpp.pipeline.stage import PipelineStage
 __all__ = ["ChainedStage", "Pipe", "SplitPoint", "build_stage", "pipe_split", "pipeline"]
 
 
-class ChainedStage(nn.Module):
-    """A traced stage module that receives everything its stage and later ones need from
-    earlier stages (or the step's inputs), and returns what the stages after it need (the
-    model's output on the last stage). Values are keyed by the split graph's node names."""
+class ChainedStage:
+    """Runs a traced stage module as a link of the chain: takes everything its stage and later
+    ones need from earlier stages (or the step's inputs), returns what the stages after it need
+    (the model's output on the last stage). Values are keyed by the split graph's node names.
+    Not a module: the stage's parameters stay the traced module's, under the model's names."""
 
     def __init__(self, module: nn.Module, receives: List[str], arguments: List[str], produces: Dict[str, Optional[int]],
                  returns: List[str]):
-        super().__init__()
         self.module = module
         self.receives = receives  # names of the positional inputs (the step's inputs on stage 0)
         self.arguments = arguments  # names the module takes, in order
         self.produces = produces  # name -> index into the module's output tuple (None: the output itself)
         self.returns = returns  # one value is returned as itself (a stage module's own output may be a tuple)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
         if len(args) > len(self.receives):
@@ -101,30 +104,40 @@ def chain(graph: fx.Graph, stage_index: int, module: nn.Module) -> ChainedStage:
     return ChainedStage(module, receives, [a.name for a in call.args], produces[stage_index], returns)
 
 
-class Pipe:
-    """torch's traced ``Pipe`` whose stages torchpp runs: ``build_stage`` returns a torchpp
-    ``PipelineStage`` of the stage's module, chained (see ``ChainedStage``)."""
+class Pipe(nn.Module):
+    """torch's traced ``Pipe`` whose stages torchpp runs: an ``nn.Module`` holding the split
+    graph (``split_gm``, so ``.to()``, ``parameters()`` and ``state_dict()`` work on every
+    stage's parameters); calling it runs the stages one after the other in this process and
+    returns the model's outputs as a tuple, as torch's does. ``build_stage`` returns a torchpp
+    ``PipelineStage`` of a stage's module, chained (see ``ChainedStage``)."""
 
     def __init__(self, traced: "torch_pipelining.Pipe"):
+        super().__init__()
         if traced.has_loss_and_backward:
             raise ValueError("torchpp pipeline: a traced model that computes its loss and backward is not supported; "
                              "pass loss_fn to the schedule instead")
-        self.traced = traced
+        self.split_gm: fx.GraphModule = traced.split_gm
+        self.num_stages: int = traced.num_stages
+        self.has_loss_and_backward = False
+        self.replicated_params = traced.replicated_params
+        object.__setattr__(self, "_info", traced.info())  # plain attribute: not a submodule
 
-    @property
-    def num_stages(self) -> int:
-        return self.traced.num_stages
-
-    @property
-    def split_gm(self) -> fx.GraphModule:
-        return self.traced.split_gm
+    def forward(self, *args, **kwargs):
+        chain_links = [chain(self.split_gm.graph, k, self.get_stage_module(k)) for k in range(self.num_stages)]
+        values = chain_links[0](*args, **kwargs)
+        for link in chain_links[1:]:
+            values = link(*(values if isinstance(values, tuple) else (values,)))
+        return values if isinstance(values, tuple) else (values,)
 
     def get_stage_module(self, stage_idx: int) -> nn.Module:
-        """The traced module of stage ``stage_idx`` (its parameters are the model's)."""
-        return self.traced.get_stage_module(stage_idx)
+        """The traced module of stage ``stage_idx`` (its parameters are the model's, by its names)."""
+        if not 0 <= stage_idx < self.num_stages:
+            raise ValueError(f"torchpp pipeline: stage {stage_idx} outside the pipe's {self.num_stages} stages")
+        return self.split_gm.get_submodule(str(_stage_calls(self.split_gm.graph)[stage_idx].target))
 
     def info(self):
-        return self.traced.info()
+        """torch's ``PipeInfo`` of the split graph (``build_stage``'s ``pipe_info``)."""
+        return self._info
 
     def build_stage(self, stage_index: int, device: torch.device, group: ops.GroupLike = None, *,
                     tp_group: ops.GroupLike = None) -> PipelineStage:
@@ -145,8 +158,9 @@ def build_stage(stage_module: nn.Module, stage_index: int, pipe_info, device: to
     """A torchpp PipelineStage of a traced stage module (torch's ``build_stage``, same arguments)."""
     if isinstance(stage_module, fx.GraphModule):
         _place_graph_ops(stage_module, torch.device(device))
-    linked = chain(pipe_info.graph, stage_index, stage_module)
-    return PipelineStage(linked, stage_index, pipe_info.num_stages, device, group=group, tp_group=tp_group)
+    stage = PipelineStage(stage_module, stage_index, pipe_info.num_stages, device, group=group, tp_group=tp_group)
+    stage._forward_fn = chain(pipe_info.graph, stage_index, stage_module)
+    return stage
 
 
 def _place_graph_ops(module: fx.GraphModule, device: torch.device) -> None:

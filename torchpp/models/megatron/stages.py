@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpp import schedule as S
-from torchpp.pipeline.schedules import PipelineSchedule
+from torchpp.pipeline.schedules import OUTPUT_IS_LOSS, PipelineSchedule
 from torchpp.pipeline.stage import PipelineStage
 from torchpp.models.megatron.split_linears import te_backward_dw_modules
 
@@ -110,7 +110,7 @@ class MegatronPipeline(PipelineSchedule):
             stages.append(PipelineStage(model[index], stage, spp, _device_of(model[index]), group=pp_group,
                                         dw_builder=builder, tp_group=tp_group))
         self._call: Optional[StepCall] = None
-        super().__init__(schedule, stages, loss_fn=None, scale_grads=False, scatter_gather=scatter_gather,
+        super().__init__(schedule, stages, loss_fn=OUTPUT_IS_LOSS, scale_grads=False, scatter_gather=scatter_gather,
                          in_order_p2p=in_order_p2p)
 
     def run(self, call: StepCall, shapes_changed: bool) -> None:
