@@ -20,7 +20,7 @@ import time
 
 from torchpp.plan import Cluster, ModelConfig, PRESETS, Training, evaluate, plan
 from torchpp.plan.layout import describe
-from torchpp.plan.planner import _layouts
+from torchpp.plan.planner import KEEP, _layouts
 
 SEQ = 2048
 VOCAB = 51200
@@ -40,7 +40,7 @@ PTDP_TABLE = [
 GPT_1T = ModelConfig("gpt-1t", num_layers=128, hidden=25600, heads=160, vocab=VOCAB)
 
 
-def timed_plan(model, cluster, training, keep=50):
+def timed_plan(model, cluster, training, keep=KEEP):
     start = time.process_time()
     result = plan(model, cluster, training, keep=keep)
     return result, time.process_time() - start

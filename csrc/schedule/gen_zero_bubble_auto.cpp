@@ -2,6 +2,7 @@
 // keeping the valid schedule with the shortest simulated makespan within the memory limit.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <sstream>
@@ -119,7 +120,13 @@ std::string format(double value) {
   return out.str();
 }
 
-bool has_stage_costs(const Costs& c) { return !c.stage_f.empty() || !c.stage_i.empty() || !c.stage_w.empty(); }
+// Per-stage costs that differ between stages (equal ones schedule as their scalar would).
+bool has_stage_costs(const Costs& c) {
+  for (const auto* values : {&c.stage_f, &c.stage_i, &c.stage_w}) {
+    if (std::adjacent_find(values->begin(), values->end(), std::not_equal_to<double>()) != values->end()) return true;
+  }
+  return false;
+}
 
 double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
