@@ -18,26 +18,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from torchpp.plan import Cluster, ModelConfig, PRESETS, Training, evaluate, plan
+from torchpp.plan import Cluster, PRESETS, Training, plan
 from torchpp.plan.layout import describe
+from torchpp.plan.published import PTDP_WEAK_SCALING, best_with
 from torchpp.plan.planner import KEEP, _layouts
 
 SEQ = 2048
-VOCAB = 51200
-# (billions, heads, hidden, layers, t, p, GPUs, global batch): the paper's Table 1.
-PTDP_TABLE = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072),
-]
-GPT_1T = ModelConfig("gpt-1t", num_layers=128, hidden=25600, heads=160, vocab=VOCAB)
+GPT_1T = PTDP_WEAK_SCALING[-1].model
 
 
 def timed_plan(model, cluster, training, keep=KEEP):
@@ -65,21 +52,6 @@ def section_speed(exhaustive: bool) -> None:
               f"{full.best.step_time:.4f} s; the pruned top 10 equal it: {all(same)}")
 
 
-def published_step(model, cluster, training, t, p):
-    """The best the planner models for the published (t, p): over its microbatch sizes and schedules."""
-    best = None
-    for layout in _layouts(model, cluster, training):
-        if (layout.tp, layout.pp) != (t, p):
-            continue
-        try:
-            cand = evaluate(model, cluster, training, layout)
-        except ValueError:
-            continue
-        if cand.memory_per_gpu <= cluster.gpu_memory and (best is None or cand.sort_key < best.sort_key):
-            best = cand
-    return best
-
-
 def why(ours, theirs) -> str:
     deltas = {k: theirs.breakdown[k] - ours.breakdown[k] for k in ours.breakdown}
     worst = max(deltas, key=deltas.get)
@@ -92,14 +64,13 @@ def section_ptdp() -> None:
           "(Training.megatron2: no SP, no ZeRO, full recompute, 1F1B / interleaved, blocking P2P), A100-80GB\n")
     print("| model | GPUs | batch | published t/p/d | its modelled step (s) | planner's top | top step (s) | "
           "published / top | note |\n|---|---|---|---|---|---|---|---|---|")
-    rows = [(f"{b:g}B", ModelConfig(f"ptdp-{b:g}b", layers, hidden, heads, VOCAB), gpus, batch, t, p)
-            for b, heads, hidden, layers, t, p, gpus, batch in PTDP_TABLE]
+    rows = [(f"{row.billions:g}B", row.model, row.gpus, row.global_batch, row.tp, row.pp) for row in PTDP_WEAK_SCALING]
     rows += [("GPT-3 175B", PRESETS["gpt3-175b"], 96, batch, 8, 12) for batch in (24, 60)]
     for label, model, gpus, batch, t, p in rows:
         cluster, training = Cluster(gpus, 80e9), Training.megatron2(batch, SEQ)
         start = time.process_time()
         top = plan(model, cluster, training).best
-        theirs = published_step(model, cluster, training, t, p)
+        theirs = best_with(model, cluster, training, t, p)
         cpu = time.process_time() - start
         if theirs is None:
             print(f"| {label} | {gpus} | {batch} | {t}/{p}/{gpus // (t * p)} | does not fit | "
