@@ -68,7 +68,6 @@ class BlockSchedule {
       : p_(p), m_(m), stages_(2 * p), slot_of_(2 * p * m * 3, -1) {
     int gap = block_gap(p, down);
     int horizon = 0;
-    std::vector<std::vector<int>> busy(p);  // per rank: the block slots of its F and I passes
     for (int r = 0; r < p; r++) {
       auto slots = block_slots(p, r, down, gap);
       const int stage_of[4] = {r, 2 * p - 1 - r, 2 * p - 1 - r, r};
@@ -76,12 +75,11 @@ class BlockSchedule {
         for (int j = 0; j < 4; j++) {
           ActionType type = j < 2 ? ActionType::F : ActionType::I;
           passes_.push_back({{stage_of[j], type, k}, r, slots[j] + kPeriod * k});
-          busy[r].push_back(slots[j] + kPeriod * k);
           horizon = std::max(horizon, slots[j] + kPeriod * k + 1);
         }
       }
     }
-    place_weight_passes(busy, horizon);
+    place_weight_passes(horizon);
   }
 
   // Moves every pass, in block order, to the earliest free slot its inputs allow within the
@@ -108,26 +106,29 @@ class BlockSchedule {
   }
 
  private:
-  int key(const Action& a) const { return (a.stage * m_ + a.microbatch) * 3 + static_cast<int>(a.type == ActionType::F ? 0 : a.type == ActionType::I ? 1 : 2); }
+  int key(const Action& a) const {
+    int pass = a.type == ActionType::F ? 0 : a.type == ActionType::I ? 1 : 2;
+    return (a.stage * m_ + a.microbatch) * 3 + pass;
+  }
 
   // W's go to the slots the block leaves free, oldest I first; the rest after the last pass.
-  void place_weight_passes(std::vector<std::vector<int>>& busy, int horizon) {
+  void place_weight_passes(int horizon) {
+    std::vector<std::vector<char>> taken(p_, std::vector<char>(horizon, 0));
+    std::vector<std::vector<std::pair<int, Action>>> backward(p_);  // per rank: (slot, I)
+    for (const Placed& x : passes_) {
+      taken[x.rank][x.block_slot] = 1;
+      if (x.action.type == ActionType::I) backward[x.rank].push_back({x.block_slot, x.action});
+    }
     std::vector<Placed> weights;
     for (int r = 0; r < p_; r++) {
-      std::vector<char> taken(horizon, 0);
-      std::vector<std::pair<int, Action>> backward;  // (slot, I) in slot order
-      for (const Placed& x : passes_) {
-        if (x.rank != r) continue;
-        taken[x.block_slot] = 1;
-        if (x.action.type == ActionType::I) backward.push_back({x.block_slot, x.action});
-      }
-      std::sort(backward.begin(), backward.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      auto& mine = backward[r];
+      std::sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
       size_t next_i = 0, next_w = 0;
-      for (int t = 0; next_w < backward.size(); t++) {
-        while (next_i < backward.size() && backward[next_i].first < t) next_i++;
-        if (t < horizon && taken[t]) continue;
+      for (int t = 0; next_w < mine.size(); t++) {
+        while (next_i < mine.size() && mine[next_i].first < t) next_i++;
+        if (t < horizon && taken[r][t]) continue;
         if (next_w < next_i) {
-          Action w = backward[next_w++].second;
+          Action w = mine[next_w++].second;
           w.type = ActionType::W;
           weights.push_back({w, r, t});
         }
