@@ -1,5 +1,6 @@
-// zb-auto and the V family under a memory limit: grid search over the cost-aware schedulers' hyperparameters (greedy.h),
-// keeping the valid schedule with the shortest simulated makespan within the memory limit.
+// zb-auto and the V family under a memory limit: grid search over the cost-aware schedulers'
+// hyperparameters (greedy.h), keeping the valid schedule with the shortest simulated makespan
+// within the memory limit.
 #include <algorithm>
 #include <cmath>
 #include <functional>

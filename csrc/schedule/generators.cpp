@@ -86,7 +86,8 @@ Schedule v_family(const std::string& name, const GenerateOptions& o) {
   }
   double limit = o.memory_limit > 0 ? o.memory_limit : 2.0 * o.num_ranks * o.memory.activation;
   if (limit < 2 * o.memory.activation) {
-    constraint_error(name, "memory_limit >= 2 M_B = " + format(2 * o.memory.activation) + " (both stages of a rank in flight)",
+    constraint_error(name,
+                     "memory_limit >= 2 M_B = " + format(2 * o.memory.activation) + " (both stages of a rank in flight)",
                      "memory_limit=" + format(limit));
   }
   return detail::v_search(name, o.num_ranks, o.num_microbatches, o.costs, o.memory, limit, span_first);

@@ -8,8 +8,9 @@ Fixed-order schedules extrapolate exactly (tests/plan/test_search_bounds.py chec
 uneven per-stage costs and transfer latencies). A cost-aware search may order a longer run
 differently, so its estimate carries the idle time of one run of 2 p v microbatches (p v when m
 is under 4 p v) over to the full length (the steady state of zb-v and zb-auto has next to no
-bubble; within 0.6% in our checks at 2 p v, 1% at p v). For these ``ESTIMATED`` schedules and for V-Half / V-Min (which settle slowly when a
-transfer costs nearly a forward) the planner's search re-evaluates its leaders exactly.
+bubble; within 0.6% in our checks at 2 p v, 1% at p v). For these and for V-Half / V-Min
+(which settle slowly when a transfer costs nearly a forward), the ``ESTIMATED`` schedules, the
+planner's search re-evaluates its leaders exactly.
 
 A fixed-order schedule is generated once per (name, p, m, v) and simulated on each layout's
 costs; a cost-aware one, for an estimate, on costs divided by the first stage's forward, which

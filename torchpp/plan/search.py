@@ -8,10 +8,11 @@ before any simulation as well: model state plus one in-flight microbatch must fi
 then visited cheapest bound first; once ``keep`` candidates are known, a layout whose bound is
 not below the ``keep``-th best step time cannot enter the ranking, nor can any after it.
 
-Long schedules are estimated from two short ones (torchpp.plan.schedule_sim), exactly for
+Long schedules are estimated from short ones (torchpp.plan.schedule_sim), exactly for
 fixed-order schedules; the leaders whose schedule is only estimated (cost-aware, V-Half, V-Min)
-are re-evaluated exactly, and the search goes on if that raised the bar. With ``keep=None`` every layout is evaluated exactly (the exhaustive reference the bound
-is tested against, tests/plan/test_search_bounds.py).
+are re-evaluated exactly, and the search goes on if that raised the bar. With ``keep=None``
+every layout is evaluated exactly (the exhaustive reference the bounds are tested against,
+tests/plan/test_search_bounds.py).
 """
 from __future__ import annotations
 
