@@ -16,8 +16,14 @@ within one run, the engines or schedules alternating step by step.
      (two stages per rank, half the layers each).
   3. The swap's own cost, one process: forward + backward of one stage with its layers plain
      vs swapped (I then W), alternating.
+  4. What it used to cost (issue 36): ``F.linear`` below autograd (where the split op's forward
+     runs) on the transposed (sequence, batch, width) view that ``nn.MultiheadAttention`` feeds
+     its input projection, against the same input as rows x features.
 
-    PYTHONPATH=. python bench/bench_zero_bubble_layers.py [--repeats 20] [--m 8] [--no-pin] [--sections 123]
+    PYTHONPATH=. python bench/bench_zero_bubble_layers.py [--repeats 20] [--m 8] [--no-pin] [--sections 1234] [--p 2]
+
+With ``--p 4`` every stage holds one layer (4 layers in all) and the four ranks share the
+machine's cores (rank r pinned to core r mod cores).
 """
 from __future__ import annotations
 
@@ -157,17 +163,37 @@ def bench_swap_cost(repeats):
             out.backward(g)
         weight_grad_store.run(0, 0)
 
-    times = {"plain": [], "swapped": []}
+    times = {"plain": [], "swapped": [], "plain cpu": [], "swapped cpu": []}
     pair = (("plain", run_plain), ("swapped", run_swapped))
     for k in range(repeats + 3):
         for key, fn in pair if k % 2 == 0 else pair[::-1]:
-            elapsed = timed_step_local(fn)[0]
+            elapsed, cpu, _ = timed_step_local(fn)
             if k >= 3:
                 times[key].append(elapsed)
+                times[f"{key} cpu"].append(cpu)
+    return times
+
+
+def bench_transposed_linear(repeats):
+    """Section 4: thread CPU seconds of the attention input projection's GEMM, as the split op's
+    forward used to run it (a 3-D transposed view: matmul broadcasts the weight into a batched
+    GEMM when nothing requires grad) and as it runs now (rows x features)."""
+    x = torch.randn(MB_ROWS, SEQ, WIDTH).transpose(0, 1)
+    w, b = torch.randn(3 * WIDTH, WIDTH), torch.randn(3 * WIDTH)
+    times = {"3-D view": [], "rows": []}
+    pair = (("3-D view", lambda: F.linear(x, w, b)), ("rows", lambda: F.linear(x.reshape(-1, WIDTH), w, b)))
+    with torch.no_grad():
+        for k in range(repeats + 3):
+            for key, fn in pair if k % 2 == 0 else pair[::-1]:
+                cpu = timed_step_local(fn)[1]
+                if k >= 3:
+                    times[key].append(cpu)
     return times
 
 
 def worker(rank, init_file, args, results):
+    global P
+    P = args.p  # a spawned process starts from the module's default
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     if args.pin:  # rank r on core r, as a launcher binds ranks
@@ -184,6 +210,8 @@ def worker(rank, init_file, args, results):
         out["pairs"] = bench_pairs(rank, args.repeats, args.m, group)
     if "3" in args.sections and rank == 0:
         out["swap"] = bench_swap_cost(args.repeats * 2)
+    if "4" in args.sections and rank == 0:
+        out["transposed"] = bench_transposed_linear(args.repeats * 10)
     results.put((rank, out))
     dist.barrier()
     dist.destroy_process_group()
@@ -213,18 +241,24 @@ def print_pairs(per_rank, m):
 
 def print_swap(times):
     ratio = paired_ratio(times["swapped"], times["plain"])
+    cpu_ratio = paired_ratio(times["swapped cpu"], times["plain cpu"])
     print(f"\n3. one stage ({LAYERS // P} layers), forward + backward of one microbatch, one process: plain "
           f"{fmt(summary(times['plain']))}, swapped (I then W) {fmt(summary(times['swapped']))}, paired ratio "
-          f"{fmt(ratio, 1, '')}")
+          f"{fmt(ratio, 1, '')}; on the thread's CPU time (not counting time the busy machine gave to others): "
+          f"plain {fmt(summary(times['plain cpu']))}, swapped {fmt(summary(times['swapped cpu']))}, paired ratio "
+          f"{fmt(cpu_ratio, 1, '')}")
 
 
 def main():
+    global P
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--m", type=int, default=8, help="microbatches per step")
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="do not bind rank r to core r")
-    parser.add_argument("--sections", default="123")
+    parser.add_argument("--sections", default="1234")
+    parser.add_argument("--p", type=int, default=P, help="pipeline ranks (LAYERS must divide into their stages)")
     args = parser.parse_args()
+    P = args.p
     started = time.ctime()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -243,6 +277,11 @@ def main():
         print_pairs(per_rank, args.m)
     if "3" in args.sections:
         print_swap(per_rank[0]["swap"])
+    if "4" in args.sections:
+        times = per_rank[0]["transposed"]
+        print(f"\n4. attention's input projection ({SEQ} x {MB_ROWS} x {WIDTH} -> {3 * WIDTH}), below autograd, thread "
+              f"CPU: on the transposed 3-D view {fmt(summary(times['3-D view']))}, as rows x features "
+              f"{fmt(summary(times['rows']))}, paired ratio {fmt(paired_ratio(times['3-D view'], times['rows']), 1, '')}")
 
 
 if __name__ == "__main__":

@@ -81,12 +81,13 @@ PYBIND11_MODULE(_schedule, m) {
       "generate",
       [](const std::string& name, int num_ranks, int num_microbatches, int num_chunks, double f,
          double i, double w, double comm, double memory_limit, int microbatch_group_size, double activation,
-         double weight_pending, const std::string& objective) {
+         double weight_pending, const std::string& objective, std::vector<double> stage_f,
+         std::vector<double> stage_i, std::vector<double> stage_w) {
         GenerateOptions o;
         o.num_ranks = num_ranks;
         o.num_microbatches = num_microbatches;
         o.num_chunks = num_chunks;
-        o.costs = make_costs(f, i, w, comm, {}, {}, {});
+        o.costs = make_costs(f, i, w, comm, std::move(stage_f), std::move(stage_i), std::move(stage_w));
         o.memory_limit = memory_limit;
         o.memory = MemoryUnits{activation, weight_pending};
         o.objective = objective;
@@ -97,7 +98,9 @@ PYBIND11_MODULE(_schedule, m) {
       py::arg("name"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("num_chunks") = 0,
       py::arg("f") = 1.0, py::arg("i") = 1.0, py::arg("w") = 1.0, py::arg("comm") = 0.0,
       py::arg("memory_limit") = 0.0, py::arg("microbatch_group_size") = 0, py::arg("activation") = 1.0,
-      py::arg("weight_pending") = 0.5, py::arg("objective") = "makespan");
+      py::arg("weight_pending") = 0.5, py::arg("objective") = "makespan",
+      py::arg("stage_f") = std::vector<double>{}, py::arg("stage_i") = std::vector<double>{},
+      py::arg("stage_w") = std::vector<double>{});
   m.def("from_csv", &from_csv, py::arg("text"), py::arg("num_ranks"), py::arg("num_microbatches"),
         py::arg("num_pipelines") = 0);
 

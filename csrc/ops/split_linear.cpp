@@ -18,7 +18,16 @@ at::Tensor split_bw_linear(const at::Tensor& input, const at::Tensor& weight, co
   if (bias.has_value() && bias->defined()) {
     cast_bias = bias->to(dtype);
   }
-  return at::linear(input, weight.to(dtype), cast_bias);
+  if (input.dim() <= 2) {
+    return at::linear(input, weight.to(dtype), cast_bias);
+  }
+  // As rows x features (one copy where the input is non-contiguous, as attention's transposed
+  // projections are): at::linear hands such an input to matmul, which below autograd does not
+  // fold it but broadcasts the weight into a batched GEMM, several times slower.
+  auto sizes = input.sym_sizes().vec();
+  sizes.back() = weight.sym_size(0);
+  const auto rows = input.reshape_symint({c10::SymInt(-1), input.sym_size(-1)});
+  return at::linear(rows, weight.to(dtype), cast_bias).view_symint(sizes);
 }
 
 // Autocast casts only the input to the region's dtype; the op casts the weight (above).

@@ -15,13 +15,13 @@ using torch::autograd::variable_list;
 
 using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
 
-// Weight gradient as aten's linear backward forms it: grad^T x over all leading dimensions.
+// Weight gradient as aten's linear backward forms it: grad^T x over all leading dimensions
+// (both given as 2-D matrices, rows = every leading index).
 std::pair<at::Tensor, at::Tensor> weight_and_bias_grads(
-    const at::Tensor& grad, const at::Tensor& input, bool want_weight, bool want_bias) {
-  const auto grad_2d = grad.reshape({-1, grad.size(-1)});
+    const at::Tensor& grad_2d, const at::Tensor& input_2d, bool want_weight, bool want_bias) {
   at::Tensor grad_weight, grad_bias;
   if (want_weight) {
-    grad_weight = grad_2d.t().mm(input.reshape({-1, input.size(-1)}));
+    grad_weight = grad_2d.t().mm(input_2d);
   }
   if (want_bias) {
     grad_bias = grad_2d.sum(0);
@@ -52,16 +52,21 @@ struct SplitBWLinear : public torch::autograd::Function<SplitBWLinear> {
     const auto weight = ctx->saved_data["weight"].toTensor();
     const auto bias = ctx->saved_data["bias"].toTensor();
     const auto& grad = grads[0];
+    // Rows x features, one copy where the gradient arrives non-contiguous (attention transposes
+    // its projections' outputs): matmul would not fold such a gradient and broadcast the weight
+    // into a batched GEMM instead, costing more than both GEMMs of the layer.
+    const auto grad_2d = grad.reshape({-1, grad.size(-1)});
+    const auto input_2d = input.reshape({-1, input.size(-1)});
     at::Tensor grad_input;
     if (ctx->needs_input_grad(0)) {
-      grad_input = grad.matmul(weight.to(grad.scalar_type()));  // the forward's compute dtype
+      grad_input = grad_2d.mm(weight.to(grad.scalar_type())).view(input.sizes());  // the forward's compute dtype
     }
     const bool want_weight = ctx->needs_input_grad(1);
     const bool want_bias = bias.defined() && ctx->needs_input_grad(2);
     const bool deferrable = is_trainable_leaf(weight) && (!want_bias || is_trainable_leaf(bias));
     if (deferrable && (want_weight || want_bias)) {
-      bool parked = weight_grad_store::defer([grad, input, weight, bias, want_weight, want_bias]() {
-        auto [grad_weight, grad_bias] = weight_and_bias_grads(grad, input, want_weight, want_bias);
+      bool parked = weight_grad_store::defer([grad_2d, input_2d, weight, bias, want_weight, want_bias]() {
+        auto [grad_weight, grad_bias] = weight_and_bias_grads(grad_2d, input_2d, want_weight, want_bias);
         if (want_weight) weight_grad_store::accumulate(weight, grad_weight);
         if (want_bias) weight_grad_store::accumulate(bias, grad_bias);
       });
@@ -72,7 +77,7 @@ struct SplitBWLinear : public torch::autograd::Function<SplitBWLinear> {
       }
     }
     // In the compute dtype; autograd casts them to the parameters' dtype, as after autocast's linear.
-    auto [grad_weight, grad_bias] = weight_and_bias_grads(grad, input, want_weight, want_bias);
+    auto [grad_weight, grad_bias] = weight_and_bias_grads(grad_2d, input_2d, want_weight, want_bias);
     return {grad_input, grad_weight, grad_bias};
   }
 };

@@ -61,6 +61,38 @@ bool check_search_options(const std::string& name, const GenerateOptions& o) {
   return o.objective == "span";
 }
 
+// Per-stage costs drive the cost-aware generators: one entry per stage of the schedule.
+void check_stage_costs(const std::string& name, const GenerateOptions& o, int stages) {
+  const std::pair<const char*, const std::vector<double>*> fields[] = {
+      {"f", &o.costs.stage_f}, {"i", &o.costs.stage_i}, {"w", &o.costs.stage_w}};
+  for (const auto& [field, given] : fields) {
+    if (!given->empty() && static_cast<int>(given->size()) != stages) {
+      constraint_error(name, "one " + std::string(field) + " cost per stage (" + std::to_string(stages) + " stages)",
+                       values(o) + ", " + std::to_string(given->size()) + " " + field + " costs");
+    }
+  }
+}
+
+// The V family: zb-v searches under its limit (default 2p M_B); v-half and v-min are their
+// building blocks unless given a limit, which makes them search like zb-v (memory_limit spans
+// V-Min's memory up to zb-v's).
+Schedule v_family(const std::string& name, const GenerateOptions& o) {
+  require_chunks(name, o, 2);
+  check_stage_costs(name, o, 2 * o.num_ranks);
+  bool span_first = check_search_options(name, o);
+  if (name != "zb-v" && o.memory_limit <= 0) {
+    return name == "v-min" ? detail::v_min(o.num_ranks, o.num_microbatches)
+                           : detail::v_half(o.num_ranks, o.num_microbatches);
+  }
+  double limit = o.memory_limit > 0 ? o.memory_limit : 2.0 * o.num_ranks * o.memory.activation;
+  if (limit < 2 * o.memory.activation) {
+    constraint_error(name,
+                     "memory_limit >= 2 M_B = " + format(2 * o.memory.activation) + " (both stages of a rank in flight)",
+                     "memory_limit=" + format(limit));
+  }
+  return detail::v_search(name, o.num_ranks, o.num_microbatches, o.costs, o.memory, limit, span_first);
+}
+
 using Generator = std::function<Schedule(const GenerateOptions&)>;
 
 const std::map<std::string, Generator>& registry() {
@@ -98,6 +130,7 @@ const std::map<std::string, Generator>& registry() {
        }},
       {"zb-auto", [](const GenerateOptions& o) {
          require_chunks("zb-auto", o, 1);
+         check_stage_costs("zb-auto", o, o.num_ranks);
          bool span_first = check_search_options("zb-auto", o);
          double limit = o.memory_limit > 0 ? o.memory_limit : o.num_ranks * o.memory.activation;
          double least = std::max(o.memory.activation, o.memory.weight_pending);
@@ -107,16 +140,9 @@ const std::map<std::string, Generator>& registry() {
          }
          return detail::zb_auto(o.num_ranks, o.num_microbatches, o.costs, o.memory, limit, span_first);
        }},
-      {"zb-v", [](const GenerateOptions& o) {
-         require_chunks("zb-v", o, 2);
-         bool span_first = check_search_options("zb-v", o);
-         double limit = o.memory_limit > 0 ? o.memory_limit : 2.0 * o.num_ranks * o.memory.activation;
-         if (limit < 2 * o.memory.activation) {
-           constraint_error("zb-v", "memory_limit >= 2 M_B = " + format(2 * o.memory.activation) + " (both stages of a rank in flight)",
-                            "memory_limit=" + format(limit));
-         }
-         return detail::zb_v(o.num_ranks, o.num_microbatches, o.costs, o.memory, limit, span_first);
-       }},
+      {"zb-v", [](const GenerateOptions& o) { return v_family("zb-v", o); }},
+      {"v-half", [](const GenerateOptions& o) { return v_family("v-half", o); }},
+      {"v-min", [](const GenerateOptions& o) { return v_family("v-min", o); }},
       {"dualpipe", [](const GenerateOptions& o) {
          require_chunks("dualpipe", o, 2);
          if (o.num_ranks % 2) constraint_error("dualpipe", "an even number of ranks p", values(o));
@@ -137,7 +163,7 @@ const std::map<std::string, Generator>& registry() {
 
 std::vector<std::string> schedule_names() {
   return {"gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1",
-          "zb-h2", "zb-auto", "interleaved-zb", "zb-v", "dualpipe", "dualpipe-v"};
+          "zb-h2", "zb-auto", "interleaved-zb", "zb-v", "v-half", "v-min", "dualpipe", "dualpipe-v"};
 }
 
 Schedule generate(const std::string& name, const GenerateOptions& o) {

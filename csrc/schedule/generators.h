@@ -14,8 +14,9 @@ struct GenerateOptions {
   int num_microbatches = 1;
   int num_chunks = 0;             // stages per rank; 0 picks the schedule's default
   Costs costs;                    // pass costs, used by the cost-aware generators (zb-auto, zb-v)
-  // zb-auto/zb-v: most memory per rank, M_B (memory.activation) per activation held from F to I
-  // plus M_W (memory.weight_pending) per W pending from I to W; 0 = default (p M_B, zb-v 2p M_B).
+  // zb-auto and the V family (zb-v, v-half, v-min): most memory per rank, M_B (memory.activation)
+  // per activation held from F to I plus M_W (memory.weight_pending) per W pending from I to W;
+  // 0 = default (p M_B, zb-v 2p M_B; v-half / v-min without a limit: their building blocks).
   double memory_limit = 0.0;
   MemoryUnits memory;             // M_B = 1, M_W = 1/2 unless set (the zero-bubble paper's estimate)
   // zb-auto/zb-v: what the search minimizes first, "makespan" (one step with an optimizer
@@ -29,7 +30,7 @@ struct GenerateOptions {
 Schedule generate(const std::string& name, const GenerateOptions& options);
 
 // gpipe, 1f1b, eager-1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-auto, interleaved-zb, zb-v,
-// dualpipe, dualpipe-v.
+// v-half, v-min, dualpipe, dualpipe-v.
 std::vector<std::string> schedule_names();
 
 }  // namespace torchpp::schedule

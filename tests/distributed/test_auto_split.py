@@ -1,17 +1,21 @@
 """parallelize(..., split="auto"): a quick profile plus the partitioner gives a valid split whose
-loss and gradients equal the unwrapped model's; the chosen split balances an uneven profile."""
+loss and gradients equal the unwrapped model's; the chosen split balances an uneven profile; the
+cost-aware schedules are generated on the profiled per-stage costs."""
 import copy
 import itertools
 
 import torch.distributed as dist
 
 import torchpp
+from torchpp import schedule as S
+from torchpp.models import auto_split as auto_split_module
 from torchpp.models import parallelize
-from torchpp.models.auto_split import choose_split
+from torchpp.models.auto_split import choose_split, stage_costs
+from torchpp.plan import LayerProfile
 from hf_reference import batch, check_wrapped_step, hf_names, reference_step, tiny_model
 
 NUM_LAYERS = 6
-CASES = ("1f1b", "interleaved-1f1b", "dualpipe")
+CASES = ("1f1b", "interleaved-1f1b", "dualpipe", "zb-auto", "zb-v")
 
 
 def _slowest_rank(costs, bounds, rank_of, pp):
@@ -44,6 +48,15 @@ def test_choice_balances_an_uneven_profile():
         assert _slowest_rank(charged, [0, *split, len(uneven)], rank_of, pp) == _brute_force(charged, 4, rank_of, pp)
 
 
+def test_stage_costs_sum_each_pass_per_stage():
+    layers = [LayerProfile(f"l{k}", 1.0 + k, 2.0 + k, 0.5 * k, 0, 0, 0) for k in range(4)]
+    embedding, head = LayerProfile("e", 0.25, 0.5, 0.125, 0, 0, 0), LayerProfile("h", 3.0, 4.0, 1.0, 0, 0, 0)
+    costs = stage_costs(layers, [1, 3], embedding, head)
+    assert costs.f == (1.25, 2.0 + 3.0, 4.0 + 3.0)
+    assert costs.i == (2.5, 3.0 + 4.0, 5.0 + 4.0)
+    assert costs.w == (0.125, 0.5 + 1.0, 1.5 + 1.0)
+
+
 def check_auto_split(schedule, n_microbatches):
     state = torchpp.init_parallel(tp=1, pp=2)
     model = tiny_model("llama", num_layers=NUM_LAYERS)
@@ -51,8 +64,20 @@ def check_auto_split(schedule, n_microbatches):
     ids, labels = batch(model.config.vocab_size)
     _, ref_loss, ref_grads = reference_step(reference, ids, labels)
 
-    wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, split="auto", state=state)
+    answers = []
+    profiled = auto_split_module.auto_split
+    auto_split_module.auto_split = lambda *args, **kw: answers.append(profiled(*args, **kw)) or answers[-1]
+    try:
+        wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, split="auto", state=state)
+    finally:
+        auto_split_module.auto_split = profiled
     what = f"llama pp=2 {schedule} split=auto rank={dist.get_rank()}"
+    split, costs = answers[0]
+    assert len(costs.f) == len(split) + 1 and all(x > 0 for x in costs.f + costs.i), f"{what}: {costs}"
+    if schedule in ("zb-auto", "zb-v"):  # generated on the profiled per-stage costs
+        expected = S.generate(schedule, 2, n_microbatches, costs=costs)
+        compiled = wrapped.schedule.schedule
+        assert [compiled.actions(r) for r in range(2)] == [expected.actions(r) for r in range(2)], what
     mine = {index: len(stage.layers) for index, stage in zip(wrapped.stage_indices, wrapped.pipeline_stages)}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

@@ -15,7 +15,7 @@ from pipeline_checks import config_results, run_configs
 from torchpp import schedule as S
 
 WORLD_SIZES = (2, 4)
-PEAK_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+PEAK_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "v-half", "v-min")
 
 
 def _configs():

@@ -176,6 +176,12 @@ def test_schedules_page_example_runs(tmp_path):
         assert (tmp_path / name).stat().st_size > 0, name
 
 
+def test_schedules_page_controllable_memory_example_prints_its_numbers(tmp_path):
+    (tmp_path / "v_schedules.py").write_text(python_block("schedules.md", "S.generate(name, p, m), weight_pending=1.0"))
+    assert run(["v_schedules.py"], tmp_path).split() == ["v-min", "8.0", "0.153", "v-half", "10.0", "0.138",
+                                                          "zb-v", "23.0", "0.007", "159.0"]
+
+
 @pytest.mark.parametrize("script", [
     "train_ptdp.py",   # a GPT, pp=2 x tp=2, zb-h1
     "train_llama.py",  # the README's demo: a tiny Llama, pp=2 x tp=2, zb-h1

@@ -220,3 +220,49 @@ def test_zb_v_default_limit_with_transfer_latency(p, m):
     sch.validate()
     sim = S.simulate(sch, **UNEVEN)
     assert max(sim.peak_memory) <= 2 * p
+
+
+def _stage_costs(rng, stages):
+    """Random per-stage F, I, W with the heavier ends of a real model (embedding, head and loss)."""
+    f = [rng.uniform(0.6, 1.6) for _ in range(stages)]
+    i = [x * rng.uniform(0.9, 1.5) for x in f]
+    w = [x * rng.uniform(0.4, 1.1) for x in f]
+    f[0] *= rng.uniform(1.0, 1.5)
+    for costs in (f, i, w):
+        costs[-1] *= rng.uniform(1.0, 2.5)
+    return f, i, w
+
+
+@pytest.mark.parametrize("name", ["zb-auto", "zb-v"])
+def test_per_stage_costs_never_longer_than_their_median(name):
+    """Over random per-stage costs: the schedule built from them, simulated on them, is never
+    longer than the one built from each pass's median cost."""
+    import random
+    import statistics
+
+    rng = random.Random(36)
+    longer_by_median = 0
+    for _ in range(40):
+        p = rng.choice((2, 3, 4, 6))
+        m = rng.choice((p, 2 * p, 3 * p))
+        stages = p if name == "zb-auto" else 2 * p
+        f, i, w = _stage_costs(rng, stages)
+        comm = rng.choice((0.0, 0.05, 0.2))
+        limit = rng.choice((None, 1.5 * stages))
+        median = dict(f=statistics.median(f), i=statistics.median(i), w=statistics.median(w), comm=comm)
+        ours = S.generate(name, p, m, costs=dict(f=f, i=i, w=w, comm=comm), memory_limit=limit)
+        theirs = S.generate(name, p, m, costs=median, memory_limit=limit)
+        a, b = (S.simulate(s, f=f, i=i, w=w, comm=comm) for s in (ours, theirs))
+        assert a.makespan <= b.makespan + TIE, (p, m, f, i, w, comm, limit)
+        assert max(a.peak_memory) <= (limit or (p if name == "zb-auto" else 2 * p)) + TIE
+        longer_by_median += a.makespan < b.makespan - TIE
+    assert longer_by_median > 0  # the per-stage costs do change some schedules
+
+
+def test_per_stage_costs_need_one_value_per_stage():
+    with pytest.raises(ValueError, match=r"one f cost per stage \(4 stages\).*3 f costs"):
+        S.generate("zb-auto", 4, 8, costs=dict(f=[1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"one w cost per stage \(8 stages\).*4 w costs"):
+        S.generate("zb-v", 4, 8, costs=dict(w=[1.0] * 4))
+    with pytest.raises(ValueError, match="cost 'comm' takes one number"):
+        S.generate("zb-auto", 4, 8, costs=dict(comm=[0.1] * 4))

@@ -10,13 +10,14 @@ pipeline moves at its pace. Rank 0's answer is broadcast so every rank builds th
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torchpp import plan as P
+from torchpp import schedule as S
 
 
 class _Bound(nn.Module):
@@ -108,7 +109,8 @@ def _capture(model: nn.Module, layers: List[nn.Module], ids: torch.Tensor):
 
 
 def profile_layers(model: nn.Module, layout, seq_len: int | None = None, repeats: int = 3):
-    """Seconds (forward + I + W) per decoder layer, and of the embedding and of norm + head + loss.
+    """Per-pass seconds (``LayerProfile``: forward, I, W) of each decoder layer, of the embedding
+    and of norm + head + loss.
 
     Args:
         model: the unwrapped transformers causal LM.
@@ -127,18 +129,33 @@ def profile_layers(model: nn.Module, layout, seq_len: int | None = None, repeats
     decoder = P.profile(blocks, captured[0][0], repeats=repeats)
     embedding = P.profile([model.get_input_embeddings()], ids, repeats=repeats)
     head = P.profile([_HeadLoss(norm, model.get_output_embeddings(), ids)], captured[-1][0], repeats=repeats)
-    return decoder.compute_times, embedding.compute_times[0], head.compute_times[0]
+    return decoder.layers, embedding.layers[0], head.layers[0]
+
+
+def stage_costs(layers: Sequence, split: Sequence[int], embedding=None, head=None) -> S.Costs:
+    """Per-stage F, I and W seconds of the stages ``split`` cuts ``layers`` (``LayerProfile``s)
+    into, the embedding's passes on the first stage and the head's on the last."""
+    bounds = [0, *split, len(layers)]
+    passes = {"f": "forward_s", "i": "input_grad_s", "w": "weight_grad_s"}
+    costs = {}
+    for key, attr in passes.items():
+        per_stage = [sum(getattr(layer, attr) for layer in layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+        per_stage[0] += getattr(embedding, attr) if embedding is not None else 0.0
+        per_stage[-1] += getattr(head, attr) if head is not None else 0.0
+        costs[key] = tuple(per_stage)
+    return S.Costs(**costs)
 
 
 def auto_split(model: nn.Module, num_stages: int, pp: int, rank_of: Dict[int, int], layout,
-               seq_len: int | None = None) -> List[int]:
-    """Profiles ``model`` on this rank and partitions it; collective: every rank gets rank 0's split."""
+               seq_len: int | None = None) -> Tuple[List[int], Optional[S.Costs]]:
+    """Profiles ``model`` on this rank and partitions it; collective: every rank gets rank 0's
+    split and per-stage costs (None for a single stage)."""
     if num_stages == 1:
-        return []
+        return [], None
     layers, embedding, head = profile_layers(model, layout, seq_len)
-    split = choose_split(layers, num_stages, pp, rank_of, embedding, head)
+    split = choose_split([layer.compute_s for layer in layers], num_stages, pp, rank_of, embedding.compute_s,
+                         head.compute_s)
+    answer = [split, stage_costs(layers, split, embedding, head)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [split]
-        dist.broadcast_object_list(box, src=0)
-        split = box[0]
-    return split
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0], answer[1]

@@ -651,7 +651,8 @@ def parallelize(
         recompute: None, "full" (checkpoint each layer) or, for transformers models, "selective"
             (recompute the attention function: the s x s scores and probabilities).
         split: first layer index of each model stage after the first; default even; "auto": a
-            quick profile and torchpp.plan's partitioner choose it.
+            quick profile and torchpp.plan's partitioner choose it, and the cost-aware schedules
+            (zb-auto, zb-v) are generated on the profiled per-stage F, I and W times.
         state: the ParallelState (default: the current one, or init_parallel(tp, pp)).
         grad_scaler: fp16 loss scaling (torchpp.parallel.GradScaler); give it to
             DistributedOptimizer too.
@@ -745,9 +746,10 @@ def parallelize(
     tied_names = _tied_names(model)
     stages: Dict[int, ModelStage] = {}
     num_layers = len(get_submodule(model, layout.layers)) if layout is not None else 0
+    stage_costs = None  # split="auto": the profiled per-stage F, I, W the cost-aware schedules use
     if state.pp > 1:
         if isinstance(split, str) and split == "auto":
-            split = _auto_split(model, layout, num_stages, state.pp, rank_of)
+            split, stage_costs = _auto_split(model, layout, num_stages, state.pp, rank_of)
         bounds = layer_bounds(num_layers, num_stages, split)
         stages = cut_in_place(model, layout, bounds, mine, hf)
 
@@ -834,7 +836,7 @@ def parallelize(
         if num_pipelines == 2:
             model.loss_group = _end_ranks_group(state, rank_of[first], rank_of[last])
         _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, state, sequence_parallel,
-                        grad_scaler, causal_lm, loss_fn, split_bw, overlap)
+                        grad_scaler, causal_lm, loss_fn, split_bw, overlap, stage_costs)
     return model
 
 
@@ -862,7 +864,7 @@ def _apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, num_layers: i
 
 
 def _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, state, sequence_parallel, grad_scaler,
-                    causal_lm, loss_fn, split_bw, overlap) -> None:
+                    causal_lm, loss_fn, split_bw, overlap, costs=None) -> None:
     from torchpp.pipeline import PipelineStage, build_schedule
 
     pipeline_stages = [PipelineStage(stages[i], i, num_stages, state.device, group=state.pp_group,
@@ -878,12 +880,12 @@ def _build_schedule(model, stages, mine, num_stages, schedule, n_microbatches, s
         loss = loss_fn
     # Sequence-parallel hidden states differ per TP rank, so the pipeline must not split/gather them.
     overlap_forward_backward, overlap_groups = overlap
-    model.schedule = build_schedule(schedule, pipeline_stages, n_microbatches, loss_fn=loss,
+    model.schedule = build_schedule(schedule, pipeline_stages, n_microbatches, loss_fn=loss, costs=costs,
                                     scatter_gather=not sequence_parallel, grad_scaler=grad_scaler,
                                     overlap_forward_backward=overlap_forward_backward, overlap_groups=overlap_groups)
 
 
-def _auto_split(model: nn.Module, layout: PipelineLayout, num_stages: int, pp: int, rank_of) -> List[int]:
+def _auto_split(model: nn.Module, layout: PipelineLayout, num_stages: int, pp: int, rank_of):
     if any(param.is_meta for param in model.parameters()):
         raise ValueError("torchpp.parallelize: split='auto' times the model's layers, which a meta-device model "
                          "cannot run; give split=[...] or build the model with weights")

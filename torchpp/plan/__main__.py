@@ -6,7 +6,7 @@ import re
 import sys
 
 from torchpp.plan.model_config import load_model_config
-from torchpp.plan.planner import Cluster, PlanError, Training, plan
+from torchpp.plan.planner import KEEP, Cluster, PlanError, Training, plan
 from torchpp.plan.report import format_plan
 
 _UNITS = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
@@ -33,13 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=312.0)
     parser.add_argument("--efficiency", type=float, default=0.5, help="achieved fraction of peak FLOP/s")
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="evaluate every layout exactly instead of letting bounds prune (slow at scale)")
     parser.add_argument("--plot", help="draw the best layout's schedule timeline to this PNG")
     args = parser.parse_args(argv)
 
     cluster = Cluster(args.gpus, args.gpu_memory, args.gpus_per_node, args.intra_node_bandwidth,
                       args.inter_node_bandwidth, args.peak_tflops * 1e12, args.efficiency)
     try:
-        result = plan(load_model_config(args.model), cluster, Training(args.global_batch, args.seq_len))
+        result = plan(load_model_config(args.model), cluster, Training(args.global_batch, args.seq_len),
+                      keep=None if args.exhaustive else max(KEEP, args.top))
     except (PlanError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ def format_plan(result: Plan, top: int = 10) -> str:
              f"({result.cluster.gpu_memory / 1e9:.0f} GB, {result.cluster.gpus_per_node} per node), global batch "
              f"{result.training.global_batch} x {result.training.seq_len} tokens; compute at "
              f"{100 * result.cluster.efficiency:.0f}% of {result.cluster.peak_flops / 1e12:.0f} TFLOP/s",
-             f"{len(result.ranked)} layouts fit; rejected: " +
+             f"{len(result.ranked)} layouts ranked; rejected: " +
              (", ".join(f"{n} {why}" for why, n in sorted(result.rejected.items())) or "none"), "", header]
     lines += [_row(k + 1, c, tokens) for k, c in enumerate(result.ranked[:top])]
     lines += ["", why_best(result)]

@@ -16,7 +16,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=None, help="stages per rank v")
     parser.add_argument("--costs", default="1,1,1", help="F,I,W[,comm] (default 1,1,1)")
     parser.add_argument("--memory-limit", type=float, default=None,
-                        help="zb-auto/zb-v memory per rank: M_B per activation plus M_W per pending W")
+                        help="zb-auto and the V family (zb-v, v-half, v-min): memory per rank, M_B per "
+                             "activation plus M_W per pending W")
     parser.add_argument("--memory-units", default="1,0.5", help="M_B,M_W (default 1,0.5)")
     parser.add_argument("--group-size", type=int, default=None, help="interleaved-1f1b microbatch group size")
     parser.add_argument("--max-steps", type=int, default=0, help="cut the printed grid after this many steps")

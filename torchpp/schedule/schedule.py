@@ -9,8 +9,15 @@ ScheduleError = _schedule.ScheduleError
 SCHEDULES: tuple[str, ...] = tuple(_schedule.schedule_names())
 
 
+PerStage = Union[float, Sequence[float]]
+
+
 class Costs(NamedTuple):
-    """Per-stage, per-microbatch pass costs (any time unit; B costs ``i + w``) and memory.
+    """Per-microbatch pass costs (any time unit; B costs ``i + w``) and memory.
+
+    ``f``, ``i`` and ``w`` are each one number for every stage or a sequence with one value per
+    stage (a heavier first stage with the embedding, a last stage with the head and loss):
+    zb-auto and the V family schedule on them, and ``simulate`` takes the same sequences.
 
     Args:
         f: forward.
@@ -22,9 +29,9 @@ class Costs(NamedTuple):
             zero-bubble paper scheduler's estimate. zb-auto and zb-v's ``memory_limit`` counts both.
     """
 
-    f: float = 1.0
-    i: float = 1.0
-    w: float = 1.0
+    f: PerStage = 1.0
+    i: PerStage = 1.0
+    w: PerStage = 1.0
     comm: float = 0.0
     activation: float = 1.0
     weight_pending: float = 0.5
@@ -33,21 +40,35 @@ class Costs(NamedTuple):
 CostsLike = Union[Costs, Sequence[float], dict, None]
 
 
+def _number_or_per_stage(name: str, value) -> PerStage:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if name not in ("f", "i", "w"):
+        raise ValueError(f"cost {name!r} takes one number, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
 def as_costs(costs: CostsLike) -> Costs:
-    """Reads ``Costs``, ``(F, I, W[, comm])`` or a dict of ``Costs`` fields; None gives the defaults."""
+    """Reads ``Costs``, ``(F, I, W[, comm])`` or a dict of ``Costs`` fields; None gives the
+    defaults. F, I and W may each be a sequence, one value per stage."""
     if costs is None:
         return Costs()
-    if isinstance(costs, Costs):
-        return costs
     if isinstance(costs, dict):
         unknown = set(costs) - set(Costs._fields)
         if unknown:
             raise ValueError(f"unknown cost keys {sorted(unknown)}; expected {Costs._fields}")
-        return Costs(**{k: float(v) for k, v in costs.items()})
-    values = [float(c) for c in costs]
-    if len(values) not in (3, 4):
-        raise ValueError(f"costs take (F, I, W) or (F, I, W, comm), got {len(values)} values: {values}")
-    return Costs(*values)
+        return Costs(**{k: _number_or_per_stage(k, v) for k, v in costs.items()})
+    if not isinstance(costs, Costs) and len(costs) not in (3, 4):
+        raise ValueError(f"costs take (F, I, W) or (F, I, W, comm), got {len(costs)} values: {list(costs)}")
+    return Costs(*(_number_or_per_stage(k, v) for k, v in zip(Costs._fields, costs)))
+
+
+def split_per_stage(value: PerStage) -> tuple[float, list[float]]:
+    """(a scalar, the per-stage list or []) as the compiler takes a cost."""
+    if isinstance(value, (int, float)):
+        return float(value), []
+    values = [float(v) for v in value]
+    return (values[0] if values else 0.0), values
 
 
 class Schedule:
@@ -158,16 +179,21 @@ def generate(
 
     Args:
         name: gpipe, 1f1b, eager-1f1b, interleaved-1f1b, looped-bfs, zb-h1, zb-h2, zb-auto,
-            zb-v, dualpipe or dualpipe-v.
+            interleaved-zb, zb-v, v-half, v-min, dualpipe or dualpipe-v.
         num_ranks: pipeline ranks p.
         num_microbatches: microbatches per step m.
         num_chunks: stages per rank v (interleaved-1f1b and looped-bfs, default 2; schedules
             with a fixed count accept only that count).
-        costs: ``Costs``, ``(F, I, W[, comm])`` or a dict; used by zb-auto and zb-v.
-        memory_limit: zb-auto / zb-v: most memory a rank may hold, in the unit of the costs'
-            ``activation`` (M_B, default 1) and ``weight_pending`` (M_W, default 0.5): M_B per
-            microbatch-stage between F and I plus M_W per one between I and W. Default p M_B
-            for zb-auto and 2p M_B for zb-v.
+        costs: ``Costs``, ``(F, I, W[, comm])`` or a dict, F, I and W each a number or one
+            value per stage; used by zb-auto and the V family (zb-v, v-half, v-min). Given
+            per-stage costs, the search also tries the schedules their per-pass medians give,
+            so the result is never longer (on the real costs) than the median's.
+        memory_limit: zb-auto and the V family: most memory a rank may hold, in the unit of
+            the costs' ``activation`` (M_B, default 1) and ``weight_pending`` (M_W, default
+            0.5): M_B per microbatch-stage between F and I plus M_W per one between I and W.
+            Default p M_B for zb-auto and 2p M_B for zb-v; v-half and v-min without a limit
+            are the paper's building blocks, with one they search as zb-v does (the least
+            limit that works is V-Min's peak).
         microbatch_group_size: interleaved-1f1b: microbatches per depth-first group; must
             divide m and be >= min(p, m); default p, or the next divisor of m above p.
         objective: zb-auto / zb-v: what the search minimizes first, ``"makespan"`` (one step
@@ -178,9 +204,11 @@ def generate(
         ValueError: the schedule cannot serve (p, m, v); the message names the constraint.
     """
     c = as_costs(costs)
+    (f, stage_f), (i, stage_i), (w, stage_w) = (split_per_stage(v) for v in (c.f, c.i, c.w))
     return Schedule(_schedule.generate(
-        name, num_ranks, num_microbatches, num_chunks or 0, c.f, c.i, c.w, c.comm,
-        memory_limit or 0.0, microbatch_group_size or 0, c.activation, c.weight_pending, objective))
+        name, num_ranks, num_microbatches, num_chunks or 0, f, i, w, c.comm,
+        memory_limit or 0.0, microbatch_group_size or 0, c.activation, c.weight_pending, objective,
+        stage_f, stage_i, stage_w))
 
 
 def from_csv(path: str, num_ranks: int, num_microbatches: int, num_pipelines: int | None = None) -> Schedule:

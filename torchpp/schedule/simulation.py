@@ -1,12 +1,8 @@
 """Simulated timing of a schedule: makespan, bubble, memory, Chrome trace and timeline plot."""
 from __future__ import annotations
 
-from typing import Sequence, Union
-
 from torchpp import _schedule
-from torchpp.schedule.schedule import Schedule
-
-PerStage = Union[float, Sequence[float]]
+from torchpp.schedule.schedule import PerStage, Schedule, split_per_stage
 
 
 class Simulation:
@@ -77,13 +73,6 @@ class Simulation:
                 f"peak_activations={self.peak_activations})")
 
 
-def _per_stage(value: PerStage) -> tuple[float, list[float]]:
-    if isinstance(value, (int, float)):
-        return float(value), []
-    values = [float(v) for v in value]
-    return (values[0] if values else 0.0), values
-
-
 def simulate(
     schedule: Schedule,
     f: PerStage = 1.0,
@@ -108,9 +97,9 @@ def simulate(
     Raises:
         ScheduleError: the schedule deadlocks (the message marks the blocked steps).
     """
-    f0, fs = _per_stage(f)
-    i0, is_ = _per_stage(i)
-    w0, ws = _per_stage(w)
+    f0, fs = split_per_stage(f)
+    i0, is_ = split_per_stage(i)
+    w0, ws = split_per_stage(w)
     native = _schedule.simulate(schedule._native, f0, i0, w0, float(comm), fs, is_, ws,
                                 float(activation), float(weight_pending))
     return Simulation(schedule, native)

@@ -1,4 +1,5 @@
 // Torch-free unit test of csrc/schedule: built with g++ alone by tests/schedule/test_cpp.py.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
@@ -57,6 +58,18 @@ int main() {
     Simulation h2 = simulate(gen("zb-h2", p, m), Costs{});
     CHECK(h2.bubble_ratio == 0.0);
     CHECK(h2.peak_activations[0] == 2 * p - 1);
+  }
+
+  // V-Min and V-Half: the paper's peak memory, counted F to W (M_W = M_B), two stages a rank.
+  for (int p : {2, 3, 4, 5, 6, 8}) {
+    MemoryUnits f_to_w{1.0, 1.0};
+    Simulation v_min = simulate(gen("v-min", p, 3 * p), Costs{}, f_to_w);
+    Simulation v_half = simulate(gen("v-half", p, 3 * p), Costs{}, f_to_w);
+    for (int r = 0; r < p; r++) {
+      CHECK(v_min.peak_memory[r] <= 2.0 * ((p + 4) / 3));
+      CHECK(v_half.peak_memory[r] <= 2.0 * ((p + 2) / 2));
+    }
+    CHECK(*std::max_element(v_half.peak_memory.begin(), v_half.peak_memory.end()) == 2.0 * ((p + 2) / 2));
   }
 
   // Lowering, CSV and validation agree.
