@@ -74,6 +74,12 @@ def _model_type(model: nn.Module) -> Optional[str]:
     return getattr(getattr(model, "config", None), "model_type", None)
 
 
+def text_config(model: nn.Module):
+    """The config of a model's text part (a multimodal config's text sub-config), or None."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+
+
 def hf_tp_plan(model: nn.Module) -> Tuple[Dict[str, str], Optional[Callable]]:
     """A transformers model's TP plan (full module names), and the fixups its family needs."""
     family = FAMILY_PLANS.get(_model_type(model))
