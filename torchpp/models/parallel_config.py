@@ -103,7 +103,8 @@ class ParallelConfig:
         plan: a dict of module/parameter-name globs to style names
             (``torchpp.tensor_parallel.styles.STYLES``), or {"tp": {...}, "pp": {...}} where the
             pp part names the stack of layers (transformers' form, or module names in the order
-            they run). Default: the transformers model's own plans.
+            they run); "auto": derived from the module structure (``torchpp.models.auto_plan``).
+            Default: the transformers model's own plans.
         recompute: None, "full" (checkpoint each layer) or, for transformers models,
             "selective" (recompute the attention function: the s x s scores and probabilities).
         zero: the ZeRO stage (0..3; True is 1) that ``DistributedOptimizer(model, ...)`` then

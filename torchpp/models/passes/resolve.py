@@ -6,6 +6,7 @@ model that is no causal LM, a head count TP cannot divide) raises here, with the
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Mapping, Optional
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from torchpp import tensor_parallel as tp
 from torchpp.models.parallel_config import ParallelConfig
 from torchpp.models.passes.state import WrapState
+from torchpp.models.stages import get_submodule
 from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, text_config, user_plans
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel
 from torchpp.tensor_parallel.plan import resolve_plan
@@ -60,21 +62,38 @@ def apply_plans(model: nn.Module, state: WrapState, config: ParallelConfig) -> n
                                              config.zero)
     _resolve_plans(model, state, config.plan)
     _check_features(model, state, config)
+    if state.hf and ps.pp > 1:  # registration order is a guess: one traced forward tells what runs where
+        from torchpp.models.run_order import traced_layout
+
+        state.layout = traced_layout(model, state.layout, getattr(text_config(model), "vocab_size", 2))
     state.tp_context = tp_context(model, ps, config.tensor.sequence_parallel, split_bw=ps.pp > 1)
     if ps.ep > 1 or config.experts.capacity_factor is not None:  # bad ep plans raise before anything changes
         from torchpp.expert_parallel.plan import expert_plans
 
         state.ep_plan, state.tp_plan = expert_plans(model, ps, state.tp_plan, config.experts.tensor_parallel,
                                                     config.experts.capacity_factor)
+    if ps.tp > 1 and not state.strict and state.hf:  # statistics across a split width: that group gathers
+        from torchpp.models.split_checks import gather_where_width_statistics
+
+        state.tp_plan = gather_where_width_statistics(model, resolve_plan(model, state.tp_plan, False),
+                                                      getattr(text_config(model), "vocab_size", 2))
+    state.layer_contexts = layer_contexts(model, state.tp_context, state.layout and state.layout.layers)
     if ps.tp > 1:  # bad plans and head counts raise before anything changes
-        check_heads(resolve_plan(model, state.tp_plan, state.strict), state.tp_context)
+        check_heads(resolve_plan(model, state.tp_plan, state.strict), context_of(state.tp_context, state.layer_contexts))
     state.tied_names = tied_names(model)
     return model
 
 
 def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
     state.hf = is_transformers_model(model)
-    if plan is not None:
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise PlanError(f"torchpp.parallelize: plan={plan!r}: a plan is a dict of globs to styles or 'auto'")
+        from torchpp.models.auto_plan import auto_plans, divide_head_attributes
+
+        state.tp_plan, state.layout = auto_plans(model)
+        state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
+    elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)
         state.strict = True
         if state.layout is None and state.hf:
@@ -121,31 +140,75 @@ def check_aux_loss(state: ParallelState, sequence_parallel: bool) -> None:
 
 
 def tp_context(model: nn.Module, state: ParallelState, sequence_parallel: bool, split_bw: bool) -> TPContext:
-    """The TP styles' context: the group and the model-wide head counts."""
+    """The TP styles' context: the group and the model-wide head counts (a heterogeneous
+    config's global values; ``layer_contexts`` has each layer's)."""
+    return _with_heads(TPContext(state.tp_group, sequence_parallel=sequence_parallel, split_bw=split_bw),
+                       text_config(model))
+
+
+def _with_heads(ctx: TPContext, config) -> TPContext:
+    heads = config_value(config, "num_attention_heads")
+    kv_heads = config_value(config, "num_key_value_heads") or heads
+    head_dim = config_value(config, "head_dim")
+    hidden = config_value(config, "hidden_size")
+    if head_dim is None and isinstance(heads, int) and heads and isinstance(hidden, int):
+        head_dim = hidden // heads
+    return dataclasses.replace(ctx, num_heads=heads if isinstance(heads, int) else None,
+                               num_kv_heads=kv_heads if isinstance(kv_heads, int) else None,
+                               head_dim=head_dim if isinstance(head_dim, int) else None)
+
+
+def config_value(config, key: str):
+    """``config.key`` (None if absent); on a heterogeneous config (transformers' per-layer
+    configs) the global value of a per-layer attribute, which only modules outside the layers use."""
+    if config is None:
+        return None
+    if getattr(config, "is_heterogeneous", False) and key in (config.per_layer_attributes or ()):
+        return config._getattr_without_heterogeneous_validation(key, None)
+    return getattr(config, key, None)
+
+
+def layer_contexts(model: nn.Module, ctx: TPContext, stack: Optional[str]) -> Dict[str, TPContext]:
+    """{path of a layer: its TP context} for the layers of a heterogeneous config whose head
+    counts differ from the model-wide ones (empty otherwise)."""
     config = text_config(model)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None and heads and getattr(config, "hidden_size", None):
-        head_dim = config.hidden_size // heads
-    return TPContext(state.tp_group, sequence_parallel=sequence_parallel, split_bw=split_bw,
-                     num_heads=heads if isinstance(heads, int) else None,
-                     num_kv_heads=kv_heads if isinstance(kv_heads, int) else None,
-                     head_dim=head_dim if isinstance(head_dim, int) else None)
+    if stack is None or not getattr(config, "is_heterogeneous", False):
+        return {}
+    contexts = {}
+    for index in range(len(get_submodule(model, stack))):
+        layer_ctx = _with_heads(ctx, config.per_layer_config[index])
+        if layer_ctx != ctx:
+            contexts[f"{stack}.{index}"] = layer_ctx
+    return contexts
 
 
-def check_heads(resolved: Mapping[str, str], ctx: TPContext) -> None:
-    """Head-split attention needs whole query heads per rank (key/value heads: whole or copied)."""
-    splits_heads = any(style in ("colwise", "packed_colwise", "packed3_colwise")
-                       and any(word in name for word in ATTENTION_WORDS) for name, style in resolved.items())
-    heads, t = ctx.num_heads, ctx.size
-    if splits_heads and heads and heads % t:
-        raise PlanError(f"torchpp.parallelize: tp={t} does not divide num_attention_heads={heads} (each tensor-"
-                        f"parallel rank holds whole attention heads)")
-    kv = ctx.num_kv_heads
-    if splits_heads and kv and kv % t and t % kv:
-        raise PlanError(f"torchpp.parallelize: tp={t} must divide num_key_value_heads={kv} or be a multiple of it "
-                        f"(each rank holds whole key/value heads, copies of them when tp exceeds their number)")
+def context_of(ctx: TPContext, contexts: Mapping[str, TPContext]):
+    """name -> the TP context of the layer holding it (``layer_contexts``), else ``ctx``."""
+    def lookup(name: str) -> TPContext:
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):
+            found = contexts.get(".".join(parts[:end]))
+            if found is not None:
+                return found
+        return ctx
+    return lookup
+
+
+def check_heads(resolved: Mapping[str, str], context_of) -> None:
+    """Head-split attention needs whole query heads per rank (key/value heads: whole or copied);
+    ``context_of(name)``: the TP context of the module ``name``."""
+    for name, style in resolved.items():
+        if style not in ("colwise", "packed_colwise", "packed3_colwise") or not any(w in name for w in ATTENTION_WORDS):
+            continue
+        ctx = context_of(name)
+        heads, kv, t = ctx.num_heads, ctx.num_kv_heads, ctx.size
+        if heads and heads % t:
+            raise PlanError(f"torchpp.parallelize: tp={t} does not divide num_attention_heads={heads} of {name} (each "
+                            f"tensor-parallel rank holds whole attention heads)")
+        if kv and kv % t and t % kv:
+            raise PlanError(f"torchpp.parallelize: tp={t} must divide num_key_value_heads={kv} of {name} or be a "
+                            f"multiple of it (each rank holds whole key/value heads, copies of them when tp exceeds "
+                            f"their number)")
 
 
 def tied_parameters(model: nn.Module) -> List[nn.Parameter]:

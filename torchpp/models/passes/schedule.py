@@ -3,7 +3,7 @@ the stages carry what the loss needs (router statistics), and parameters held by
 stages (a tied embedding and head) get their group."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -11,7 +11,7 @@ from torch import nn
 from torchpp.models.parallel_config import PipelineOptions
 from torchpp.models.passes.state import WrapState
 from torchpp.models.plans import text_config
-from torchpp.models.stages import ModelStage
+from torchpp.models.stages import ModelStage, get_submodule
 from torchpp.parallel.groups import ParallelState, rank_grid
 
 
@@ -37,8 +37,8 @@ def apply_schedule(model: nn.Module, state: WrapState, options: PipelineOptions)
     # A plain list, not a submodule: the stages' parameters are the model's, under their own names.
     object.__setattr__(model, "pipeline_stages", [stages[i] for i in mine])
     if state.causal_lm:
-        head = model.get_output_embeddings()
-        if where.num_stages - 1 in mine and getattr(head, "tp", None) is not None:
+        head = model.get_output_embeddings() if where.num_stages - 1 in mine else None  # elsewhere: a placeholder
+        if getattr(head, "tp", None) is not None:
             head.tp.gather_output = False  # the last stage's loss works on vocabulary slices
         loss = model._microbatch_loss
     else:
@@ -53,13 +53,22 @@ def apply_schedule(model: nn.Module, state: WrapState, options: PipelineOptions)
 
 
 def _group_end_stages(model: nn.Module, state: WrapState) -> None:
-    """The group of the first and last stages' ranks: over it a tied embedding's gradient is
-    summed, and under DualPipe the loss (each end rank computes its pipeline's half)."""
+    """Groups for what several pipeline ranks hold: the modules every stage runs (their
+    gradients summed over the pipeline), a tied embedding and head on the first and last stages
+    (summed over those two ranks), and under DualPipe the loss (each end rank computes its
+    pipeline's half)."""
     ps, where, tied = state.parallel, state.placement, state.tied
     first, last = where.rank_of[0], where.rank_of[where.num_stages - 1]
     stage_shared = []
+    shared = _unique(p for path in state.layout.shared for p in get_submodule(model, path).parameters())
+    if shared:
+        stage_shared.append((shared, ps.pp_group))
+        if ps.pp_rank != first:  # the gradient norm counts them on the first stage's rank
+            for param in shared:
+                param.shared_duplicate = True
     if first != last and where.num_pipelines == 1:
-        embedding_tied = [p for p in tied if any(p is q for q in model.parameters())]
+        in_shared = {id(p) for p in shared}
+        embedding_tied = [p for p in tied if any(p is q for q in model.parameters()) and id(p) not in in_shared]
         if embedding_tied:
             model.embedding_group = end_ranks_group(ps, first, last)
             object.__setattr__(model, "_tied_copy", embedding_tied[0])  # not registered: a second name
@@ -71,6 +80,13 @@ def _group_end_stages(model: nn.Module, state: WrapState) -> None:
     if where.num_pipelines == 2:
         model.loss_group = end_ranks_group(ps, first, last)
     model._stage_shared = stage_shared
+
+
+def _unique(params) -> List[nn.Parameter]:
+    seen = {}
+    for param in params:
+        seen.setdefault(id(param), param)
+    return list(seen.values())
 
 
 def end_ranks_group(state: ParallelState, first_rank: int, last_rank: int) -> Optional[dist.ProcessGroup]:

@@ -45,6 +45,8 @@ class WrapState:
         fixups: a family's own changes after its TP plan is applied, or None.
         ep_plan: the expert-parallel plan, or None.
         tp_context: what the TP styles need (group, head counts, sequence parallelism).
+        layer_contexts: {layer path: its TP context} where a layer's head counts differ from
+            the model-wide ones (transformers' heterogeneous configs).
         placement: the pipeline placement.
         overlap: (overlap forward and backward, the groups a failing step breaks).
         tied: parameters held by more than one module, before the cut.
@@ -64,6 +66,7 @@ class WrapState:
     fixups: Optional[Callable[[nn.Module, TPContext], None]] = None
     ep_plan: Any = None
     tp_context: Optional[TPContext] = None
+    layer_contexts: Dict[str, TPContext] = field(default_factory=dict)
     placement: Placement = field(default_factory=Placement)
     overlap: Tuple[bool, list] = (False, [])
     tied: List[nn.Parameter] = field(default_factory=list)

@@ -3,9 +3,12 @@ attention told its local head counts, the family's fixups, and, with sequence pa
 residual stream of this rank's layers held in sequence slices (Megatron-3)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 from torchpp.models.parallel_config import TensorOptions
+from torchpp.models.passes.resolve import context_of
 from torchpp.models.passes.state import WrapState
 from torchpp.models.plans import text_config
 from torchpp.models.stages import ElsewhereLayer, get_submodule
@@ -24,8 +27,9 @@ def apply_tp(model: nn.Module, state: WrapState, options: TensorOptions) -> nn.M
     ps, ctx = state.parallel, state.tp_context
     if ps.tp == 1:
         return model
-    apply_tp_plan(model, state.tp_plan, ctx, strict=False, config=text_config(model))
-    _local_kv_groups(model, ctx)
+    where = context_of(ctx, state.layer_contexts)
+    apply_tp_plan(model, state.tp_plan, ctx, strict=False, config=text_config(model), context_of=where)
+    _local_kv_groups(model, where)
     if state.fixups is not None:
         state.fixups(model, ctx)
     if options.sequence_parallel:
@@ -45,10 +49,11 @@ def _attention_dropout(model: nn.Module) -> bool:
     return any(float(getattr(config, key, 0.0) or 0.0) > 0 for key in ("attention_dropout", "attn_pdrop"))
 
 
-def _local_kv_groups(model: nn.Module, ctx: TPContext) -> None:
+def _local_kv_groups(model: nn.Module, context_of: Callable[[str], TPContext]) -> None:
     """Attention whose key/value heads are copied (tp exceeds them) holds one of them per rank
     for its num_heads / tp query heads: transformers' repeat_kv reads ``num_key_value_groups``."""
-    for module in model.modules():
+    for name, module in model.named_modules():
         if hasattr(module, "num_key_value_groups") and any(
                 getattr(getattr(child, "weight", None), "tp_replicas", 1) > 1 for child in module.children()):
+            ctx = context_of(name)
             module.num_key_value_groups = ctx.num_heads // ctx.size
