@@ -72,7 +72,8 @@ def sweep(types, pool_of, plan=None, rows_path=None):
                 row[key] = "pass"
                 row[key + "_detail"] = result[-1]
             except AssertionError as error:
-                row[key] = "FAIL: " + _first_line(str(error).split("\n", 1)[-1])
+                text = str(error)
+                row[key] = "FAIL: " + _first_line(text.split("\n", 1)[-1] if "\n" in text.strip() else text)
             row[key + "_s"] = time.monotonic() - start
         print(f"{model_type:40s} tp=2 {row['tp'][:90]:90s} pp=2 {row['pp'][:90]}", flush=True)
         rows.append(row)

@@ -99,3 +99,16 @@ def test_trace_records_what_layers_hand_to_later_layers():
     state = layout_of("gemma3n_text").layer_state  # shared key/value states for the last layers
     assert state and all(name == "shared_kv_states" for name, _ in state.values())
     assert not layout_of("llama").extras and not layout_of("llama").layer_state
+
+
+def test_auto_plan_splits_fused_projections_part_by_part():
+    plan, _ = auto_plans(tiny_model("gpt2"))  # transformers' Conv1D; c_attn's output split into q, k, v
+    assert plan["transformer.h.*.attn.c_attn"] == "packed3_colwise"
+    assert plan["transformer.h.*.attn.c_proj"] == "rowwise" and plan["transformer.h.*.mlp.c_fc"] == "colwise"
+
+
+def test_loss_convention_is_read_from_the_model():
+    from torchpp.models.parallel_causal_lm import model_shifts_labels
+
+    assert model_shifts_labels(tiny_model("llama"), 97)  # token t predicts label t+1
+    assert not model_shifts_labels(tiny_model("blenderbot"), 97)  # each token's own label

@@ -65,7 +65,9 @@ def auto_plans(model: nn.Module) -> Tuple[Dict[str, str], PipelineLayout]:
     if any(p.is_meta for p in model.parameters()):
         raise PlanError("torchpp.parallelize(plan='auto') runs the model once on a few tokens to read its structure; "
                         "a meta-device model cannot run: build it with weights, or pass plan=")
-    traces = [_LayerTrace(layer, f"{stack}.{i}") for i, layer in enumerate(layers)]
+    config = text_config(model)
+    heads = {getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads")} - {None}
+    traces = [_LayerTrace(layer, f"{stack}.{i}", heads) for i, layer in enumerate(layers)]
     vocab = getattr(text_config(model), "vocab_size", None) or 2
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % vocab).unsqueeze(0)
@@ -95,7 +97,7 @@ def describe_plan(plan: Dict[str, str], stack: str) -> str:
 
 def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContext) -> None:
     """Gives the modules holding split projections this rank's head counts and widths."""
-    owners = {name.rpartition(".")[0] for name, style in plan.items() if style == "colwise"}
+    owners = {name.rpartition(".")[0] for name, style in plan.items() if style in ("colwise", *PACKED_STYLES.values())}
     for name, module in model.named_modules():
         if not any(re.fullmatch(_glob_regex(owner), name) for owner in owners):
             continue
@@ -124,6 +126,41 @@ def _as_globs(plan: Dict[str, str], stack: str, num_layers: int) -> Dict[str, st
     return out
 
 
+# A reader whose output is split into equal parts along its features (fused q, k, v; fused gate
+# and up) is split part by part.
+PACKED_STYLES = {2: "packed_colwise", 3: "packed3_colwise"}
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or transformers' Conv1D (GPT-2's linears, weight [in, out])."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and getattr(module, "weight", None)
+                                             is not None and module.weight.dim() == 2)
+
+
+def _packed_outputs(nodes, outputs: Dict[int, str]) -> Dict[str, int]:
+    """{linear: number of equal parts} for linears whose output a split along the last dimension
+    cuts into equal parts (the nodes of a walk that met them)."""
+    found: Dict[str, int] = {}
+    for node in nodes:
+        kind = type(node).__name__
+        if not kind.startswith("Split"):
+            continue
+        sources = [outputs.get(id(n)) for n, _ in node.next_functions if n is not None]
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        dim = getattr(node, "_saved_dim", None)
+        if not sizes or dim is None or not any(sources):
+            continue
+        dim = dim - 2**64 if dim >= 2**63 else dim
+        if dim % len(sizes) != len(sizes) - 1:
+            continue
+        parts = getattr(node, "_saved_split_sizes", None)
+        count = len(parts) if parts and len(set(parts)) == 1 else (
+            int(sizes[-1]) // int(node._saved_split_size) if hasattr(node, "_saved_split_size") else 1)
+        for source in filter(None, sources):
+            found[source] = count
+    return found
+
+
 def _first_tensor(value) -> Optional[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return value
@@ -137,21 +174,22 @@ def _first_tensor(value) -> Optional[torch.Tensor]:
 class _LayerTrace:
     """Hooks on one layer and its linears; the decision from what they saw (module docstring)."""
 
-    def __init__(self, layer: nn.Module, path: str):
-        self.path = path
+    def __init__(self, layer: nn.Module, path: str, heads=()):
+        self.path, self.heads = path, set(heads)
         self.input: Optional[torch.Tensor] = None
         self.output: Optional[torch.Tensor] = None
         self.linears: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.owners: Dict[int, str] = {}  # id of a parameter -> the module holding it (not a linear)
-        self._params = [p for name, m in layer.named_modules() if name and not isinstance(m, nn.Linear)
+        self._params = [p for name, m in layer.named_modules() if name and not _is_linear(m)
                         for p in m.parameters(recurse=False)]
+        self.param_names = {id(p): f"{path}.{name}" for name, p in layer.named_parameters()}
         for name, module in layer.named_modules():
-            if name and not isinstance(module, nn.Linear):
-                self.owners.update({id(p): f"{path}.{name}" for p in module.parameters(recurse=False)})
+            if not _is_linear(module):  # the layer itself too: parameters held by the attention block directly
+                self.owners.update({id(p): f"{path}.{name}".rstrip(".") for p in module.parameters(recurse=False)})
         self._hooks = [layer.register_forward_pre_hook(self._enter, with_kwargs=True),
                        layer.register_forward_hook(self._leave)]
         self._hooks += [module.register_forward_hook(self._linear(f"{path}.{name}"))
-                        for name, module in layer.named_modules() if isinstance(module, nn.Linear)]
+                        for name, module in layer.named_modules() if _is_linear(module)]
 
     def _enter(self, module, args, kwargs):
         if self.input is None:
@@ -177,10 +215,11 @@ class _LayerTrace:
                    if out is not None and out.grad_fn is not None}
         entry = self.input.grad_fn
         reaching_output = walk_back([self.output], outputs, entry).reached  # last linears before the output
-        seen = {}
+        seen, packed = {}, {}
         for name, (inp, _) in self.linears.items():
             walk = walk_back([inp], outputs, entry)
             seen[name] = (walk.reached, walk.entry, walk.params)
+            packed.update(_packed_outputs(walk.nodes, outputs))
         # Reads the residual stream: the layer input, or earlier writers' outputs added to it.
         readers = {n for n, (before, from_input, _) in seen.items() if (before or from_input)
                    and before <= reaching_output}
@@ -203,8 +242,12 @@ class _LayerTrace:
                 plan.update({r: "colwise_gather_output" for r in seen[w][0]})
                 plan[w] = "rowwise_split_input"
                 continue
-            plan.update({r: "colwise" for r in seen[w][0]})
+            plan.update({r: PACKED_STYLES.get(packed.get(r, 1), "colwise") for r in seen[w][0]})
             plan[w] = "rowwise"
             # Parameters applied to head-split activations (per-head norms): each rank sees its heads.
-            plan.update({self.owners[id(p)]: "replicated_with_grad_allreduce" for p in between})
+            # A vector of one value per head (attention sinks) is split with the heads.
+            per_head = [p for p in between if p.dim() == 1 and p.numel() in self.heads]
+            plan.update({self.param_names[id(p)]: "colwise" for p in per_head})
+            plan.update({self.owners[id(p)]: "replicated_with_grad_allreduce" for p in between
+                         if not any(p is q for q in per_head)})
         return plan

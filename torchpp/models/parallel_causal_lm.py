@@ -37,6 +37,32 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[d
                                              reduction=reduction)
 
 
+@torch.no_grad()
+def model_shifts_labels(model, vocab_size: int) -> bool:
+    """Whether the model's own loss is transformers' causal one (token t predicts label t+1),
+    or compares each token's logits with its own label, as the causal-LM heads of some
+    encoder-decoder families do (Blenderbot's): one forward on a few random tokens tells. The
+    pipeline's loss follows the model's."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":  # nothing to run: transformers' convention
+        return True
+    generator = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, vocab_size, (2, 1, 8), generator=generator).to(device)
+    try:
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+            out = model(input_ids=ids, labels=labels, use_cache=False)
+    except Exception:  # noqa: BLE001 - a model that cannot run here: transformers' convention
+        return True
+    if getattr(out, "loss", None) is None or getattr(out, "logits", None) is None:
+        return True
+    logits = out.logits.double()[..., :vocab_size]
+    loss = out.loss.double()
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    shifted = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    close = lambda a, b: bool(torch.isclose(a, b, rtol=1e-4, atol=1e-6))  # noqa: E731 - losses in float32
+    return not (close(loss, per_token) and not close(loss, shifted))
+
+
 class ParallelCausalLM(ParallelMixin):
     """A transformers causal LM under ``parallelize``: its own forward (pp=1) plus ``step``."""
 
@@ -46,6 +72,7 @@ class ParallelCausalLM(ParallelMixin):
     # ``aux_loss`` holds the last step's load-balancing loss (last-stage ranks, else None).
     carries_router_load = False
     aux_loss: Optional[torch.Tensor] = None
+    loss_shifts_labels = True  # False: the model's loss compares each token with its own label
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All-gathers vocab-parallel logits (``vocab_parallel_logits=True``) over TP, padding dropped."""
@@ -100,7 +127,7 @@ class ParallelCausalLM(ParallelMixin):
         # even when microbatches hold different numbers of ignored labels.
         logits, load = (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
         total = causal_lm_loss(logits, labels, self._lm_group(), text_config(self).vocab_size, reduction="sum",
-                               shifted=self.context_parallel is not None)
+                               shifted=self.context_parallel is not None or not self.loss_shifts_labels)
         loss = total / self._batch_tokens * (self._batch_rows / labels.size(0))
         if not load:
             return loss
@@ -193,7 +220,8 @@ class ParallelCausalLM(ParallelMixin):
         self._aux_parts = []
         if self.has_last_stage and labels is not None:  # missing labels: the schedule raises on every rank
             self._batch_rows = labels.size(0)
-            self._batch_tokens = int((shift_labels(labels) != IGNORE_INDEX).sum().clamp(min=1))
+            targets = shift_labels(labels) if self.loss_shifts_labels else labels
+            self._batch_tokens = int((targets != IGNORE_INDEX).sum().clamp(min=1))
         cp = self.context_parallel
         if cp is not None:  # every cp rank holds the full batch: keep this rank's shard of the sequence
             input_ids, labels, position_ids, attention_mask = self._shard_for_pipeline(

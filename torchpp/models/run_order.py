@@ -40,13 +40,13 @@ def traced_layout(model: nn.Module, layout: PipelineLayout, vocab_size: int) -> 
     """
     candidates = list(layout.before) + list(layout.after)
     try:
-        first_call, start, end, reached, extras, state = _trace(model, layout, candidates, vocab_size)
+        first_call, start, end, reached, extras, state, handed = _trace(model, layout, candidates, vocab_size)
     except Exception:  # noqa: BLE001 - a model that cannot run here keeps the registration order
         return layout
     # Run before the stack's end (or inside it) and feeding the layers: every stage needs it. (A tied
     # head after the stack shares a parameter with a shared embedding but runs on the last stage.)
     shared = [p for p in candidates if first_call.get(p, end + 1) <= end
-              and (_holds_any(get_submodule(model, p), reached) or first_call[p] >= start)]
+              and (_holds_any(get_submodule(model, p), reached) or first_call[p] >= start or p in handed)]
     rest = [p for p in candidates if p not in shared]
     registered_before = set(layout.before)
     before = [p for p in rest if first_call.get(p, end + 1) < start or (p not in first_call and p in registered_before)]
@@ -96,8 +96,16 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
                     state[index] = (name, tuple((key, len(v)) for key, v in value.items()))
         return hook
 
+    outputs: Dict[str, Set[int]] = {}
+
+    def on_output(path):
+        def hook(module, args, output):
+            outputs.setdefault(path, set()).update(t.untyped_storage().data_ptr() for t in _tensors([output]))
+        return hook
+
     for path in candidates:  # a container (a ModuleList of projections) runs when its first member does
         hooks.extend(module.register_forward_pre_hook(on_call(path)) for module in get_submodule(model, path).modules())
+        hooks.append(get_submodule(model, path).register_forward_hook(on_output(path)))
     for index, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(on_layer, with_kwargs=True))
         hooks.append(layer.register_forward_hook(on_layer_exit(index), with_kwargs=True))
@@ -110,7 +118,10 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     finally:
         for hook in hooks:
             hook.remove()
-    return first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state
+    # Modules whose output itself (or a view of it) reaches a layer: a table without gradients (sinusoidal positions).
+    side_storage = {t.untyped_storage().data_ptr() for t in side}
+    handed = {path for path, ptrs in outputs.items() if ptrs & side_storage}
+    return first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state, handed
 
 
 def _tensors(values) -> List[torch.Tensor]:

@@ -70,9 +70,9 @@ def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str],
 
 
 def _record(seen, name):
-    def hook(module, args, output):
-        if name not in seen and isinstance(output, torch.Tensor):
-            seen[name] = (args[0], output)
+    def hook(module, args, output):  # a call autograd recorded (some models run early cycles without grad)
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None and args[0].grad_fn is not None:
+            seen.setdefault(name, (args[0], output))
     return hook
 
 

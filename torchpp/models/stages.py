@@ -279,12 +279,14 @@ class ModelStage(nn.Module):
         if self.first:
             position_ids = kwargs.pop("position_ids", None)
             attention_mask = kwargs.pop("attention_mask", None)
-            if position_ids is None:
-                position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+            # Without position ids every stage lets the model compute its own from the token ids
+            # (Roberta's count from the padding index): a [b, 1] tensor of -1 travels instead.
+            carried_positions = x.new_full((x.shape[0], 1), NO_POSITIONS) if position_ids is None else position_ids
             input_ids, incoming, extras, state = x, None, None, None
             call = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
         else:
-            extras, position_ids, input_ids, attention_mask, state = self._unpack(rest)
+            extras, carried_positions, input_ids, attention_mask, state = self._unpack(rest)
+            position_ids = None if _no_positions(carried_positions) else carried_positions
             # The model's own forward runs up to our first layer on the token ids (earlier
             # stages' modules give zeros), where the received hidden states are swapped in.
             call = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
@@ -296,7 +298,7 @@ class ModelStage(nn.Module):
             except _Exit as leaving:
                 extras = tuple(leaving.output[1:]) if self.layout.extras.get(self.layer_range[1] - 1) else ()
                 carried = (_hidden(leaving.output), *[e for e in extras if e is not None], *leaving.state,
-                           position_ids, input_ids)
+                           carried_positions, input_ids)
                 return carried if attention_mask is None else carried + (attention_mask,)
         return output.logits if hasattr(output, "logits") else output[0]
 
@@ -315,6 +317,13 @@ class ModelStage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage {self.index}: layers [{self.layer_range[0]}, {self.layer_range[1]})"
+
+
+NO_POSITIONS = -1  # the value of the [b, 1] tensor that travels where no position ids were given
+
+
+def _no_positions(position_ids: torch.Tensor) -> bool:
+    return position_ids.dim() == 2 and position_ids.size(1) == 1 and bool((position_ids == NO_POSITIONS).all())
 
 
 def _flat_token_mask(attention_mask: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:

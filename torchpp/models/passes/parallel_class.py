@@ -28,6 +28,8 @@ def apply_parallel_class(model: nn.Module, state: WrapState, config: ParallelCon
     model.tied_names = state.tied_names
     model._num_model_stages = state.placement.num_stages
     model.grad_scaler = config.grad_scaler
+    if state.causal_lm:
+        model.loss_shifts_labels = state.loss_shifts_labels
     model.parallel_plan = {"tp": dict(state.tp_plan), "pp": state.layout}  # what it followed (plan="auto": chose)
     if state.context is not None:
         object.__setattr__(model, "context_parallel", state.context)

@@ -66,6 +66,10 @@ def apply_plans(model: nn.Module, state: WrapState, config: ParallelConfig) -> n
         from torchpp.models.run_order import traced_layout
 
         state.layout = traced_layout(model, state.layout, getattr(text_config(model), "vocab_size", 2))
+        if state.causal_lm:  # the pipeline computes the loss: the model's own convention
+            from torchpp.models.parallel_causal_lm import model_shifts_labels
+
+            state.loss_shifts_labels = model_shifts_labels(model, getattr(text_config(model), "vocab_size", 2))
     state.tp_context = tp_context(model, ps, config.tensor.sequence_parallel, split_bw=ps.pp > 1)
     if ps.ep > 1 or config.experts.capacity_factor is not None:  # bad ep plans raise before anything changes
         from torchpp.expert_parallel.plan import expert_plans

@@ -55,6 +55,8 @@ class WrapState:
         context: the ContextParallel of cp > 1, else None.
         ep_context: the EPContext of ep > 1, else None.
         weights_pending: built on the meta device and not loaded yet.
+        loss_shifts_labels: the model's loss is transformers' causal one (else each token's
+            logits meet its own label); read under a pipeline, whose last stage computes it.
     """
 
     parallel: ParallelState
@@ -75,3 +77,4 @@ class WrapState:
     context: Any = None
     ep_context: Any = None
     weights_pending: bool = False
+    loss_shifts_labels: bool = True
