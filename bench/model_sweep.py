@@ -52,35 +52,41 @@ def _first_line(error: str) -> str:
 def sweep(types, pool_of, plan=None, rows_path=None):
     import json
 
-    from torchpp.testing.tiny_models import NOT_PIPELINED, UNBUILDABLE
+    from torchpp.testing.tiny_models import UNBUILDABLE
 
     rows = []
     for model_type in types:
         row = {"type": model_type, "table": "auto" if plan == "auto" else "plans"}
         if model_type in UNBUILDABLE:
             row["tp"] = row["pp"] = f"not built: {UNBUILDABLE[model_type]}"
-            rows.append(row)
             print(f"{model_type:40s} skipped: {UNBUILDABLE[model_type]}", flush=True)
-            continue
-        for key, check in (("tp", "check_tp"), ("pp", "check_pp")):
-            if key == "pp" and model_type in NOT_PIPELINED:
-                row["pp"] = f"not pipelined: {NOT_PIPELINED[model_type]}"
-                continue
-            start = time.monotonic()
-            try:
-                result = pool_of(2).run(_run, check, model_type, plan, timeout=TIMEOUT_S)
-                row[key] = "pass"
-                row[key + "_detail"] = result[-1]
-            except AssertionError as error:
-                text = str(error)
-                row[key] = "FAIL: " + _first_line(text.split("\n", 1)[-1] if "\n" in text.strip() else text)
-            row[key + "_s"] = time.monotonic() - start
-        print(f"{model_type:40s} tp=2 {row['tp'][:90]:90s} pp=2 {row['pp'][:90]}", flush=True)
+        else:
+            _check(row, model_type, pool_of, plan)
+            print(f"{model_type:40s} tp=2 {row['tp'][:90]:90s} pp=2 {row['pp'][:90]}", flush=True)
         rows.append(row)
         if rows_path:
             with open(rows_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
     return rows
+
+
+def _check(row, model_type: str, pool_of, plan) -> None:
+    """Fills the row's tp and pp results (and seconds) for one type."""
+    from torchpp.testing.tiny_models import NOT_PIPELINED
+
+    for key, check in (("tp", "check_tp"), ("pp", "check_pp")):
+        if key == "pp" and model_type in NOT_PIPELINED:
+            row["pp"] = f"not pipelined: {NOT_PIPELINED[model_type]}"
+            continue
+        start = time.monotonic()
+        try:
+            result = pool_of(2).run(_run, check, model_type, plan, timeout=TIMEOUT_S)
+            row[key] = "pass"
+            row[key + "_detail"] = result[-1]
+        except AssertionError as error:
+            text = str(error)
+            row[key] = "FAIL: " + _first_line(text.split("\n", 1)[-1] if "\n" in text.strip() else text)
+        row[key + "_s"] = time.monotonic() - start
 
 
 def _table(rows) -> list:

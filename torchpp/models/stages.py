@@ -72,9 +72,13 @@ class ElsewhereLayer(nn.Module):
     placeholder = True  # plans skip it
     extras: Optional[tuple] = None
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, layer: Optional[nn.Module] = None):
         super().__init__()
         self.index = index
+        # The model may read its layers' plain attributes (an attention type per layer): keep them.
+        for name, value in vars(layer or nn.Module()).items():
+            if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool)):
+                setattr(self, name, value)
 
     def forward(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
@@ -219,7 +223,7 @@ class ModelStage(nn.Module):
     def _running(self, incoming: Optional[torch.Tensor], extras: Optional[tuple] = None, state=None):
         stack = get_submodule(self._model, self.layout.layers)
         for i in self._others:
-            stack[i] = ElsewhereLayer(i)
+            stack[i] = ElsewhereLayer(i, self._others[i])
         placeholders = [layer for layer in stack if isinstance(layer, ElsewhereLayer)]
         for layer in placeholders:  # the layers before ours hand on what the previous stage's last returned
             layer.extras = extras
@@ -373,7 +377,7 @@ def cut_in_place(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int]
     kept = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i in range(len(stack)):
         if i not in kept:
-            stack[i] = ElsewhereLayer(i)
+            stack[i] = ElsewhereLayer(i, stack[i])
     keep_before, keep_after = 0 in mine, num_stages - 1 in mine
     for paths, keep, before in ((layout.before, keep_before, True), (layout.after, keep_after, False)):
         if not keep:
