@@ -1,9 +1,13 @@
 """Model sweep: every transformers model type whose config carries a tensor- and a pipeline-
 parallel plan, wrapped by torchpp.models.parallelize at tp=2 and at pp=2, against the
-unwrapped model in float64 (loss, logits, every gradient, one SGD step; rtol 1e-9).
+unwrapped model in float64 (loss, logits, every gradient, one SGD step; rtol 1e-9); and every
+causal-LM type without plans, wrapped with plan="auto".
 
-    python bench/model_sweep.py                      # all types, writes docs/models.md
-    python bench/model_sweep.py --types llama qwen3  # some types, prints only
+    python bench/model_sweep.py                          # all types, writes docs/models.md
+    python bench/model_sweep.py --types llama qwen3      # some types, prints only
+    python bench/model_sweep.py --auto --types gpt2      # plan="auto" on some types
+    python bench/model_sweep.py --slice 0 4 --rows r.jsonl   # a quarter of both tables, rows kept
+    python bench/model_sweep.py --from-rows r*.jsonl     # docs/models.md from kept rows
 
 Runs on 2 spawned gloo ranks (tests/harness.py's pool: a hang or crash of one type fails that
 type only). A type fails with the first line of its error on rank 0.
@@ -22,7 +26,7 @@ sys.path.insert(0, ROOT)
 TIMEOUT_S = 120
 
 
-def _run(check: str, model_type: str) -> str:
+def _run(check: str, model_type: str, plan=None) -> str:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -31,7 +35,7 @@ def _run(check: str, model_type: str) -> str:
     transformers.logging.set_verbosity_error()
     from torchpp.testing import model_checks
 
-    return getattr(model_checks, check)(model_type)
+    return getattr(model_checks, check)(model_type, plan=plan)
 
 
 def _first_line(error: str) -> str:
@@ -45,36 +49,69 @@ def _first_line(error: str) -> str:
     return (lines[-1] if lines else error).strip()[:300]
 
 
-def sweep(types, pool_of):
+def sweep(types, pool_of, plan=None, rows_path=None):
+    import json
+
     from torchpp.testing.tiny_models import UNBUILDABLE
 
     rows = []
     for model_type in types:
-        row = {"type": model_type}
+        row = {"type": model_type, "table": "auto" if plan == "auto" else "plans"}
         if model_type in UNBUILDABLE:
             row["tp"] = row["pp"] = f"not built: {UNBUILDABLE[model_type]}"
-            rows.append(row)
             print(f"{model_type:40s} skipped: {UNBUILDABLE[model_type]}", flush=True)
-            continue
-        for key, check in (("tp", "check_tp"), ("pp", "check_pp")):
-            start = time.monotonic()
-            try:
-                result = pool_of(2).run(_run, check, model_type, timeout=TIMEOUT_S)
-                row[key] = "pass"
-                row[key + "_detail"] = result[-1]
-            except AssertionError as error:
-                row[key] = "FAIL: " + _first_line(str(error).split("\n", 1)[-1])
-            row[key + "_s"] = time.monotonic() - start
-        print(f"{model_type:40s} tp=2 {row['tp'][:90]:90s} pp=2 {row['pp'][:90]}", flush=True)
+        else:
+            _check(row, model_type, pool_of, plan)
+            print(f"{model_type:40s} tp=2 {row['tp'][:90]:90s} pp=2 {row['pp'][:90]}", flush=True)
         rows.append(row)
+        if rows_path:
+            with open(rows_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
     return rows
+
+
+def _check(row, model_type: str, pool_of, plan) -> None:
+    """Fills the row's tp and pp results (and seconds) for one type."""
+    from torchpp.testing.tiny_models import NOT_PIPELINED
+
+    for key, check in (("tp", "check_tp"), ("pp", "check_pp")):
+        if key == "pp" and model_type in NOT_PIPELINED:
+            row["pp"] = f"not pipelined: {NOT_PIPELINED[model_type]}"
+            continue
+        start = time.monotonic()
+        try:
+            result = pool_of(2).run(_run, check, model_type, plan, timeout=TIMEOUT_S)
+            row[key] = "pass"
+            row[key + "_detail"] = result[-1]
+        except AssertionError as error:
+            text = str(error)
+            row[key] = "FAIL: " + _first_line(text.split("\n", 1)[-1] if "\n" in text.strip() else text)
+        row[key + "_s"] = time.monotonic() - start
+
+
+def _table(rows) -> list:
+    lines = ["| model type | tp=2 | pp=2 (zb-h1) |", "|---|---|---|"]
+    for row in sorted(rows, key=lambda r: r["type"]):
+        cells = [row["tp"], row["pp"]]
+        lines.append(f"| {row['type']} | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return lines
+
+
+def _passing(rows) -> int:
+    return sum(r["tp"] == "pass" and r["pp"] == "pass" for r in rows)
+
+
+def _excepted(row) -> bool:
+    return any(row[key].startswith(("not built", "not pipelined")) for key in ("tp", "pp"))
 
 
 def write_table(rows, path: str, seconds: float) -> None:
     import torch
     import transformers
 
-    both = [r for r in rows if r["tp"] == "pass" and r["pp"] == "pass"]
+    plans = [r for r in rows if r.get("table", "plans") == "plans"]
+    auto = [r for r in rows if r.get("table") == "auto"]
+    exceptions = [r for r in plans if _excepted(r)]
     lines = [
         "# Models: the plan-driven wrapping of every transformers type with plans",
         "",
@@ -84,41 +121,119 @@ def write_table(rows, path: str, seconds: float) -> None:
         "as before: loss, full logits) and at pp=2 (zb-h1, 4 microbatches, `model.step`), and compares loss, logits,",
         "every gradient and one SGD step with the unwrapped model (rtol 1e-9). A failure shows its error.",
         "",
-        f"transformers {transformers.__version__}, torch {torch.__version__}: **{len(both)} of {len(rows)} types pass "
-        f"both**; sweep time {seconds / 60:.1f} min on this 2-core machine.",
+        f"transformers {transformers.__version__}, torch {torch.__version__}: **{_passing(plans)} of {len(plans)} types "
+        f"pass both**; {len(exceptions)} are exceptions, each with its reason in its row: \"not built\" (its forward",
+        "takes no token ids, or transformers itself cannot run it on them) or \"not pipelined\" (transformers itself",
+        f"cannot pipeline it). Sweep time {seconds / 60:.1f} min (summed check times) on this shared 2-core machine.",
         "",
         "    python bench/model_sweep.py",
         "",
-        "| model type | tp=2 | pp=2 (zb-h1) |",
-        "|---|---|---|",
+        "What lets the newer families wrap, each a mechanism rather than a family's code",
+        "(`tests/distributed/test_model_mechanisms.py` checks each on a small family, and Gemma 4, DeepSeek-V4 and",
+        "Mistral Large 4 at tp=2 and at pp=2 under zb-h1 and interleaved-1f1b):",
+        "",
+        "- per-layer configs (transformers' heterogeneous configs: Gemma 4, DiffusionGemma, dots3): head counts and",
+        "  head_dim are read per layer when sharding;",
+        "- a traced forward (`torchpp.models.run_order`) tells which modules run before and after the layers, whatever",
+        "  order they were registered in (T5Gemma's final norm, Phi-4's and Gemma 3n's embeddings), and which feed every",
+        "  layer (per-layer embeddings, a learned rotary scale): those stay on every pipeline rank, their gradients",
+        "  summed over the pipeline;",
+        "- what travels between stages besides the hidden states: the token ids (DeepSeek-V4's hash routing, Higgs",
+        "  audio's audio-token masks), extra layer outputs (Mistral Large 4's and GLM-MoE-DSA's top-k indices) and what",
+        "  layers leave for later ones (Gemma 3n's shared key/value states);",
+        "- statistics across a split width (ESMC's q/k norms, Gemma 3n's sparse activations) make that group gather, and a",
+        "  row split no column split feeds stays whole (`torchpp.models.split_checks`);",
+        "- plan fixes: fused `gate_up_proj` split half by half, shared experts' inputs entering through f (Inkling),",
+        "  Doge's per-head dynamic mask;",
+        "- float64 comparisons: modules transformers keeps in float32 are float64 too, and float32 softmax by any route",
+        "  (function or tensor method) runs in float64 (`torchpp.testing.model_checks.float64_throughout`).",
+        "",
+        *_table(plans),
     ]
-    for row in rows:
-        cells = [row["tp"], row["pp"]]
-        lines.append(f"| {row['type']} | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if auto:
+        lines += [
+            "",
+            '## Models without plans: `plan="auto"`',
+            "",
+            "Every causal-LM type in transformers whose config lacks a tensor- or pipeline-parallel plan, wrapped",
+            'with `parallelize(model, plan="auto")` (`torchpp.models.auto_plan`: the stack is the longest ModuleList of',
+            "identical layers; linears reading a layer branch's input that feed the linear writing its output are split",
+            "by columns, the writer by rows; the rest stays replicated), checked as above. A failure shows the error:",
+            "where the rule cannot decide, it names the module.",
+            "",
+            f"**{_passing(auto)} of {len(auto)} types pass both.**",
+            "",
+            "    python bench/model_sweep.py --auto",
+            "",
+            *_table(auto),
+        ]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
+def auto_types():
+    """Causal-LM types whose config lacks a tensor- or a pipeline-parallel plan."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            cls = CONFIG_MAPPING[model_type]
+            if not (getattr(cls, "base_model_tp_plan", None) and getattr(cls, "base_model_pp_plan", None)):
+                types.append(model_type)
+        except Exception:  # a config class that fails to import its dependencies
+            continue
+    return sorted(types)
+
+
 def main() -> None:
+    import glob
+    import json
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--types", nargs="*", help="model types (default: every type with both plans)")
+    parser.add_argument("--types", nargs="*", help="model types (default: every type of both tables)")
+    parser.add_argument("--auto", action="store_true", help='the plan="auto" table (default: the plans table)')
+    parser.add_argument("--slice", nargs=2, type=int, metavar=("K", "N"), help="the K-th of N slices of both tables")
+    parser.add_argument("--rows", help="append each type's row (JSON) to this file")
+    parser.add_argument("--from-rows", nargs="*", help="write docs/models.md from rows files, run nothing")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "models.md"))
     args = parser.parse_args()
-    from harness import RankPools
-
     from torchpp.testing.tiny_models import causal_lm_types
 
-    types = args.types or causal_lm_types()
+    if args.from_rows:
+        rows = {}
+        seconds = 0.0
+        for path in sorted({p for pattern in args.from_rows for p in glob.glob(pattern)}):
+            for line in open(path):
+                row = json.loads(line)
+                rows[(row["table"], row["type"])] = row  # a later run of a type replaces an earlier one
+        seconds = sum(row.get("tp_s", 0) + row.get("pp_s", 0) for row in rows.values())
+        write_table(list(rows.values()), args.out, seconds)
+        print(f"wrote {args.out} from {len(rows)} rows")
+        return
+    from harness import RankPools
+
+    every = [(t, None) for t in causal_lm_types()] + [(t, "auto") for t in auto_types()]
+    if args.slice:
+        k, n = args.slice
+        jobs = every[k::n]
+    elif args.types or args.auto:
+        plan = "auto" if args.auto else None
+        jobs = [(t, plan) for t in (args.types or auto_types())]
+    else:
+        jobs = every
     pools = RankPools()
     start = time.monotonic()
+    rows = []
     try:
-        rows = sweep(types, pools)
+        for plan in (None, "auto"):
+            rows += sweep([t for t, p in jobs if p == plan], pools, plan, args.rows)
     finally:
         pools.close()
     seconds = time.monotonic() - start
-    passed = sum(r["tp"] == "pass" and r["pp"] == "pass" for r in rows)
-    print(f"{passed} of {len(rows)} types pass at tp=2 and pp=2 ({seconds / 60:.1f} min)")
-    if not args.types:
+    print(f"{_passing(rows)} of {len(rows)} types pass at tp=2 and pp=2 ({seconds / 60:.1f} min)")
+    if not args.types and not args.slice and not args.auto:
         write_table(rows, args.out, seconds)
         print(f"wrote {args.out}")
 

@@ -80,5 +80,8 @@ def wrap_attention(model: nn.Module, recompute_core: bool) -> None:
                if c is not None and hasattr(c, "_attn_implementation")}
     for config in configs.values():
         inner = config._attn_implementation or "eager"
-        if not inner.startswith(PREFIX):
-            config._attn_implementation = _register(inner, recompute_core)
+        if inner.startswith(PREFIX):
+            if not recompute_core or inner.startswith(PREFIX + "recompute_"):
+                continue  # wrapped already as asked
+            inner = inner[len(PREFIX):]  # wrapped for TP dropout alone: recompute it too
+        config._attn_implementation = _register(inner, recompute_core)

@@ -48,21 +48,29 @@ FAMILY_PLANS: Dict[str, Tuple[Dict[str, str], Optional[Callable[[nn.Module, TPCo
 }
 
 
-# Entries some transformers plans miss: parameters applied to rank-local activations (between a
-# column- and a row-split projection), whose gradients are partial on each rank.
+# Entries some transformers plans miss or get wrong: parameters applied to rank-local activations
+# (between a column- and a row-split projection), whose gradients are partial on each rank;
+# per-head quantities of an attention whose heads are split.
 AMENDMENTS: Dict[str, Dict[str, str]] = {
     "apertus": {"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},  # xIELU's learned alphas
     "apertus1p5_text": {"model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"},
+    # Doge's per-head dynamic mask: dt_proj reads every head's values and gives one value per key/value
+    # head, of which each rank keeps its own heads' (and the per-head A), not the whole (its plan: rowwise).
+    "doge": {"model.layers.*.self_attn.dt_proj": "rowwise_scatter_output", "model.layers.*.self_attn.A": "colwise"},
 }
 HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3-style norms over each projected query / key head
 
 
 def complete_hf_plan(model: nn.Module, plan: Dict[str, str]) -> Dict[str, str]:
     """transformers' plan plus what it misses: the per-head q/k norms of attention whose q/k
-    projections it splits by heads (several types' plans leave them out), and ``AMENDMENTS``."""
+    projections it splits by heads (several types' plans leave them out), fused ``gate_up_proj``
+    weights split half by half where a plan says plain ``colwise``, and ``AMENDMENTS``.
+    (Norms over a projection's whole width: ``torchpp.models.split_checks``.)"""
     plan = dict(plan)
     for key, style in list(plan.items()):
         parent, _, name = key.rpartition(".")
+        if style == "colwise" and name == "gate_up_proj":  # fused [gate; up], chunked in two: split each half
+            plan[key] = "packed_colwise"
         if style == "colwise" and name in ("q_proj", "k_proj"):
             for norm in HEAD_NORMS:
                 plan.setdefault(f"{parent}.{norm}", "replicated_with_grad_allreduce")
@@ -72,6 +80,12 @@ def complete_hf_plan(model: nn.Module, plan: Dict[str, str]) -> Dict[str, str]:
 
 def _model_type(model: nn.Module) -> Optional[str]:
     return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def text_config(model: nn.Module):
+    """The config of a model's text part (a multimodal config's text sub-config), or None."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
 
 
 def hf_tp_plan(model: nn.Module) -> Tuple[Dict[str, str], Optional[Callable]]:

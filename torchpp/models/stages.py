@@ -7,8 +7,10 @@ parameter names.
 
 A transformers model's stage runs the model's own forward (masks, rotary tables, position
 embeddings, scaling, everything between its layers stays as transformers writes it): a
-later stage calls it with a placeholder for the input embeddings, and the hidden states
-received from the previous stage enter at the stage's first layer (a pre-hook swaps them in);
+later stage calls it on the token ids, which travel down the pipeline with the hidden states
+(layers may read them: hash routing, padding masks), the modules of earlier stages returning
+zeros of their output's shape; the hidden states received from the previous stage enter at
+the stage's first layer (a pre-hook swaps them in);
 a stage before the last leaves at its last layer (a hook ends the forward there). Any other
 model's stage calls its modules in sequence: the modules before the stack, the stage's
 layers, the modules after it.
@@ -16,7 +18,8 @@ layers, the modules after it.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,11 +34,23 @@ class PipelineLayout:
         layers: dotted path of the nn.ModuleList of layers (``"model.layers"``).
         before: paths of the modules that run before the layers (first stage), in order.
         after: paths of the modules that run after them (last stage), in order.
+        extras: for each layer returning a tuple, which of its outputs after the hidden states
+            are tensors (True) or None (False): the next stage receives the tensors; empty
+            (layers return their hidden states alone) unless traced (``torchpp.models.run_order``).
+        layer_state: after each layer, what the layers leave in a mapping argument for later
+            layers (transformers' ``shared_kv_states``): (the argument's name, ((key, number of
+            tensors), ...)); the next stage receives those tensors and starts from them.
+        shared: paths of the modules every stage runs (their parameters reach the layers'
+            inputs other than the hidden states: ``torchpp.models.run_order``); kept on
+            every pipeline rank, their gradients summed over the pipeline.
     """
 
     layers: str
     before: List[str]
     after: List[str]
+    shared: List[str] = field(default_factory=list)
+    extras: Dict[int, Tuple[bool, ...]] = field(default_factory=dict)
+    layer_state: Dict[int, Tuple[str, Tuple[Tuple[str, int], ...]]] = field(default_factory=dict)
 
 
 def get_submodule(model: nn.Module, path: str) -> nn.Module:
@@ -49,16 +64,25 @@ def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
 
 class ElsewhereLayer(nn.Module):
     """Stands in for a layer held by another pipeline rank; passes its input through (a stage
-    entered later swaps in what it received, so nothing it returns is used)."""
+    entered later swaps in what it received, so nothing it returns is used). Where the model's
+    layers return more than the hidden states (``(hidden, topk_indices)``, which the model
+    hands to the next layer), it returns those ``extras`` too: what the previous stage's last
+    layer returned, set by the stage running the model's forward."""
 
     placeholder = True  # plans skip it
+    extras: Optional[tuple] = None
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, layer: Optional[nn.Module] = None):
         super().__init__()
         self.index = index
+        # The model may read its layers' plain attributes (an attention type per layer): keep them.
+        for name, value in vars(layer or nn.Module()).items():
+            if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool)):
+                setattr(self, name, value)
 
     def forward(self, *args, **kwargs):
-        return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+        hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+        return hidden if self.extras is None else (hidden, *self.extras)
 
     def extra_repr(self) -> str:
         return f"layer {self.index} is on another pipeline rank"
@@ -69,32 +93,58 @@ class Elsewhere(nn.Module):
 
     One that runs before the layers (``before``) still gets called by a later stage's run of
     the model's forward, whose result up to the stage's first layer is thrown away: it
-    returns a zero scalar, which broadcasts through what the forward does with it (adding
-    position embeddings, scaling, dropout). One after the layers is never reached."""
+    returns zeros shaped as the module's output (a copy of the module on the meta device,
+    not registered, computes the shapes), so what the forward does with it (masks built from
+    the embeddings' shape, scaling) runs as on the first stage. One after the layers is never
+    reached."""
 
     placeholder = True  # plans skip it
 
-    def __init__(self, path: str, before: bool):
+    def __init__(self, path: str, before: bool, module: Optional[nn.Module] = None):
         super().__init__()
         self.path, self.before = path, before
+        object.__setattr__(self, "_shape_of", _meta_copy(module) if before and module is not None else None)
 
     def forward(self, *args, **kwargs):
         if not self.before:
             raise RuntimeError(f"torchpp pipeline: {self.path} is held by another pipeline rank and cannot run here")
         like = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        device = None if like is None else like.device
+        if self._shape_of is not None:
+            to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+            with torch.no_grad():
+                shapes = self._shape_of(*map(to_meta, args), **{k: to_meta(v) for k, v in kwargs.items()})
+            return _zeros_like_tree(shapes, device)
         dtype = torch.get_default_dtype() if like is None or not like.is_floating_point() else like.dtype
-        return torch.zeros((), dtype=dtype, device=None if like is None else like.device)
+        return torch.zeros((), dtype=dtype, device=device)
 
     def extra_repr(self) -> str:
         return f"{self.path} is on another pipeline rank"
 
 
-class _Exit(Exception):
-    """Ends a stage's forward after its last layer, carrying that layer's output."""
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory)."""
+    memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+                    if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
+            for t in list(module.parameters()) + list(module.buffers())}
+    return copy.deepcopy(module, memo)
 
-    def __init__(self, output):
+
+def _zeros_like_tree(value, device):
+    if isinstance(value, torch.Tensor):
+        return torch.zeros(value.shape, dtype=value.dtype, device=device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_zeros_like_tree(v, device) for v in value)
+    return value
+
+
+class _Exit(Exception):
+    """Ends a stage's forward after its last layer, carrying that layer's output (and the
+    tensors the layers left for later layers: ``PipelineLayout.layer_state``)."""
+
+    def __init__(self, output, state=()):
         super().__init__("pipeline stage exit")
-        self.output = output
+        self.output, self.state = output, list(state)
 
 
 def _hidden(output) -> torch.Tensor:
@@ -106,9 +156,9 @@ class ModelStage(nn.Module):
 
     The first stage takes what the model takes (a transformers model: ``input_ids`` and the
     keyword arguments ``attention_mask``, ``position_ids``); every stage but the last returns
-    the hidden states leaving its last layer, with, for a transformers model, the position ids
-    and attention mask behind them (integer tensors travel forward with the hidden states, so a
-    later stage builds the same masks and rotary tables); the last returns what the model
+    the hidden states leaving its last layer, with, for a transformers model, the position ids,
+    token ids and attention mask behind them (integer tensors travel forward with the hidden
+    states, so a later stage builds the same masks and rotary tables); the last returns what the model
     returns (its logits, for a causal LM). With ``router_load`` set (the MoE load-balancing
     loss, torchpp.expert_parallel.router_load), every stage's output ends with the router
     statistics so far, counts int64 [E + 1] and probability sums float32 [E], which the next
@@ -135,6 +185,7 @@ class ModelStage(nn.Module):
         self.before = nn.ModuleList(get_submodule(model, p) for p in layout.before) if first else None
         self.after = nn.ModuleList(get_submodule(model, p) for p in layout.after) if last else None
         self._incoming: Optional[torch.Tensor] = None
+        self._incoming_state: Optional[Tuple[str, Dict[str, tuple]]] = None
         self._active = False
         # (number of experts, top-k) when the stages carry the router statistics of the MoE
         # load-balancing loss (set by parallelize), else None.
@@ -145,19 +196,23 @@ class ModelStage(nn.Module):
             if not first:
                 self.layers[0].register_forward_pre_hook(self._enter, with_kwargs=True)
             if not last:
-                self.layers[-1].register_forward_hook(self._leave)
+                self.layers[-1].register_forward_hook(self._leave, with_kwargs=True)
 
     def _enter(self, module, args, kwargs):
         if not self._active:  # recomputation in backward, or the model called outside the pipeline
             return None
         incoming = self._incoming
+        if self._incoming_state:  # what earlier layers left for later ones (shared key/value states)
+            name, entries = self._incoming_state
+            kwargs[name].update(entries)
         if args:
             return (incoming,) + tuple(args[1:]), kwargs
         return args, {**kwargs, "hidden_states": incoming}
 
-    def _leave(self, module, args, output):
+    def _leave(self, module, args, kwargs, output):
         if self._active:
-            raise _Exit(output)
+            state = self.layout.layer_state.get(self.layer_range[1] - 1)
+            raise _Exit(output, [t for key, _ in state[1] for t in kwargs[state[0]][key]] if state else [])
 
     def set_aside(self, layers: Dict[int, nn.Module]) -> None:
         """The layers of this rank's other stages (indices in the stack), which must not run
@@ -165,17 +220,39 @@ class ModelStage(nn.Module):
         self._others = dict(layers)
 
     @contextlib.contextmanager
-    def _running(self, incoming: Optional[torch.Tensor]):
+    def _running(self, incoming: Optional[torch.Tensor], extras: Optional[tuple] = None, state=None):
         stack = get_submodule(self._model, self.layout.layers)
         for i in self._others:
-            stack[i] = ElsewhereLayer(i)
-        self._incoming, self._active = incoming, True
+            stack[i] = ElsewhereLayer(i, self._others[i])
+        placeholders = [layer for layer in stack if isinstance(layer, ElsewhereLayer)]
+        for layer in placeholders:  # the layers before ours hand on what the previous stage's last returned
+            layer.extras = extras
+        self._incoming, self._incoming_state, self._active = incoming, state, True
         try:
             yield
         finally:
-            self._incoming, self._active = None, False
+            self._incoming, self._incoming_state, self._active = None, None, False
+            for layer in placeholders:
+                layer.extras = None
             for i, layer in self._others.items():
                 stack[i] = layer
+
+    def _unpack(self, rest: Sequence[torch.Tensor]):
+        """(the previous stage's last layer's extra outputs or None, position ids, token ids,
+        attention mask or None, the layers' state for later layers or None) from what a later
+        stage receives after the hidden states."""
+        kinds = self.layout.extras.get(self.layer_range[0] - 1)
+        received = list(rest[:sum(kinds)]) if kinds else []
+        rest = rest[len(received):]
+        extras = tuple(received.pop(0) if is_tensor else None for is_tensor in kinds) if kinds else None
+        state = None
+        described = self.layout.layer_state.get(self.layer_range[0] - 1)
+        if described:
+            name, entries = described
+            tensors = list(rest[:sum(n for _, n in entries)])
+            rest = rest[len(tensors):]
+            state = (name, {key: tuple(tensors.pop(0) for _ in range(n)) for key, n in entries})
+        return extras, rest[0], rest[1], (rest[2] if len(rest) > 2 else None), state
 
     def forward(self, x: torch.Tensor, *rest: torch.Tensor, **kwargs):
         if not self.hf:
@@ -193,7 +270,7 @@ class ModelStage(nn.Module):
         else:
             *rest, counts, prob_sum = rest
             load = RouterLoad(counts, prob_sum, top_k)
-            mask = rest[1] if len(rest) > 1 else None
+            mask = self._unpack(rest)[3]
         load.mask = _flat_token_mask(mask, x)
         # transformers' own aux loss of a stage's layers alone would be wrong and unused.
         with accumulating(load):
@@ -206,32 +283,28 @@ class ModelStage(nn.Module):
         if self.first:
             position_ids = kwargs.pop("position_ids", None)
             attention_mask = kwargs.pop("attention_mask", None)
-            if position_ids is None:
-                position_ids = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
-            call = dict(input_ids=x, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
-            incoming = None
+            # Without position ids every stage lets the model compute its own from the token ids
+            # (Roberta's count from the padding index): a [b, 1] tensor of -1 travels instead.
+            carried_positions = x.new_full((x.shape[0], 1), NO_POSITIONS) if position_ids is None else position_ids
+            input_ids, incoming, extras, state = x, None, None, None
+            call = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
         else:
-            position_ids, attention_mask = rest[0], (rest[1] if len(rest) > 1 else None)
-            # The model's own forward runs up to our first layer on a placeholder of the full
-            # sequence's shape, where the received hidden states are swapped in.
-            placeholder = x.new_zeros(x.shape[0], position_ids.shape[1], self._embedding_width(x))
-            call = dict(inputs_embeds=placeholder, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+            extras, carried_positions, input_ids, attention_mask, state = self._unpack(rest)
+            position_ids = None if _no_positions(carried_positions) else carried_positions
+            # The model's own forward runs up to our first layer on the token ids (earlier
+            # stages' modules give zeros), where the received hidden states are swapped in.
+            call = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
             incoming = x
-        with self._running(incoming):
+        with self._running(incoming, extras, state):
             try:
                 # nn.Module.__call__: the parallelized model's own __call__ refuses calls under a pipeline.
                 output = nn.Module.__call__(model if self.last else _base_model(model), use_cache=False, **call)
             except _Exit as leaving:
-                hidden = _hidden(leaving.output)
-                return (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
+                extras = tuple(leaving.output[1:]) if self.layout.extras.get(self.layer_range[1] - 1) else ()
+                carried = (_hidden(leaving.output), *[e for e in extras if e is not None], *leaving.state,
+                           carried_positions, input_ids)
+                return carried if attention_mask is None else carried + (attention_mask,)
         return output.logits if hasattr(output, "logits") else output[0]
-
-    def _embedding_width(self, hidden: torch.Tensor) -> int:
-        # The input embeddings' width; the hidden states between layers may have more dimensions
-        # (several residual streams).
-        config = getattr(self._model, "config", None)
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return getattr(config, "hidden_size", None) or hidden.shape[-1]
 
     def _sequential(self, x, *rest, **kwargs):
         if self.first:
@@ -250,6 +323,13 @@ class ModelStage(nn.Module):
         return f"stage {self.index}: layers [{self.layer_range[0]}, {self.layer_range[1]})"
 
 
+NO_POSITIONS = -1  # the value of the [b, 1] tensor that travels where no position ids were given
+
+
+def _no_positions(position_ids: torch.Tensor) -> bool:
+    return position_ids.dim() == 2 and position_ids.size(1) == 1 and bool((position_ids == NO_POSITIONS).all())
+
+
 def _flat_token_mask(attention_mask: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
     """transformers' load-balancing loss counts the tokens of a 2D [batch, seq] attention mask
     (float32, flattened as the router's rows), or every token without one."""
@@ -266,9 +346,21 @@ def _base_model(model: nn.Module) -> nn.Module:
     return getattr(model, "base_model", model)
 
 
+def _stand_in(model: nn.Module, path: str, before: bool) -> None:
+    """Replaces the module at ``path`` by an ``Elsewhere``; a container (ModuleList, ModuleDict),
+    which the model indexes rather than calls, keeps its place and each member is replaced."""
+    module = get_submodule(model, path)
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        for name, _ in list(module.named_children()):
+            _stand_in(model, f"{path}.{name}", before)
+        return
+    set_submodule(model, path, Elsewhere(path, before, module))
+
+
 def cut_in_place(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int], mine: Sequence[int],
                  hf: bool) -> Dict[int, ModelStage]:
-    """Keeps this rank's stages of ``model`` and replaces the rest by placeholders, in place.
+    """Keeps this rank's stages of ``model`` and replaces the rest by placeholders, in place
+    (the layout's shared modules stay on every rank).
 
     Args:
         model: the model (modified in place).
@@ -285,12 +377,12 @@ def cut_in_place(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int]
     kept = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i in range(len(stack)):
         if i not in kept:
-            stack[i] = ElsewhereLayer(i)
+            stack[i] = ElsewhereLayer(i, stack[i])
     keep_before, keep_after = 0 in mine, num_stages - 1 in mine
     for paths, keep, before in ((layout.before, keep_before, True), (layout.after, keep_after, False)):
         if not keep:
             for path in paths:
-                set_submodule(model, path, Elsewhere(path, before))
+                _stand_in(model, path, before)
     stages = {s: ModelStage(model, layout, s, (bounds[s], bounds[s + 1]), s == 0, s == num_stages - 1, hf)
               for s in mine}
     for s, stage in stages.items():

@@ -13,7 +13,7 @@ and, for sequence parallelism, ``apply_sequence_parallel`` on the model's stack 
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 from torch import nn
 
@@ -54,24 +54,27 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], strict: bool) -> Dic
 
 
 def apply_tp_plan(model: nn.Module, plan: Mapping[str, str], ctx: TPContext, *, strict: bool = True,
-                  config=None) -> Dict[str, str]:
+                  config=None, context_of: Optional[Callable[[str], TPContext]] = None) -> Dict[str, str]:
     """Shards ``model`` in place by ``plan`` over ``ctx.group``; returns the resolved plan.
 
     Parameters named by the plan are sharded first, then modules get their styles. A module
     whose parameter a style sharded but which has no style of its own (a tied embedding left
     out of the plan) raises: it would compute with a shard as if it were the whole tensor.
+    ``context_of(name)``, if given, is the context of the module or parameter ``name`` (layers
+    whose head counts differ from the model's); ``ctx`` otherwise.
     """
     resolved = resolve_plan(model, plan, strict)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
+    where = context_of or (lambda name: ctx)
     for name, style_name in resolved.items():
         style = get_style(style_name, name, config)
         if name in params and name not in modules:
             owner_name, _, param_name = name.rpartition(".")
-            style.apply_param(modules[owner_name], param_name, name, ctx)
+            style.apply_param(modules[owner_name], param_name, name, where(name))
     for name, style_name in resolved.items():
         if name in modules:
-            get_style(style_name, name, config).apply(modules[name], name, ctx)
+            get_style(style_name, name, config).apply(modules[name], name, where(name))
     _check_shards_have_owners(model, resolved)
     return resolved
 

@@ -14,6 +14,7 @@ class, so ``isinstance`` and state-dict names are unchanged), other modules inpu
 | colwise_gather_output          | rows split                      | f on the input, output all-gathered      |
 | rowwise                        | columns split, bias replicated  | input local, g (all-reduce) on output    |
 | rowwise_split_input            | columns split                   | input split, g on output                 |
+| rowwise_scatter_output         | columns split, bias split       | input local, output reduce-scattered     |
 | packed_colwise                 | fused rows split block by block | as colwise                               |
 | packed_rowwise                 | fused last dim split per block  | (parameter style)                        |
 | embedding_rowwise              | vocabulary split (padded)       | partial lookups summed (g)               |
@@ -22,7 +23,7 @@ class, so ``isinstance`` and state-dict names are unchanged), other modules inpu
 | moe_tp_experts                 | (its parameter entries)         | f on tokens and routing weights, g after |
 | moe_identity_expert            | -                               | input divided by the TP size             |
 | mla_kv_a_proj                  | replicated                      | f on the rotary part of the output       |
-| all_reduce                     | -                               | g on the output                          |
+| all_reduce                     | -                               | f on inputs (no TP linear inside), g out |
 | local_params, replicate        | -                               | unchanged (parameters are local here)    |
 """
 from __future__ import annotations
@@ -158,6 +159,7 @@ class LinearTP:
     split_input: bool = False
     out_features: Optional[int] = None  # full width, to trim padding after a gather
     split_bw: bool = False
+    scatter_output: bool = False  # row split whose output keeps this rank's slice (per-head outputs)
 
 
 class TPLinearForward:
@@ -181,7 +183,11 @@ class TPLinearForward:
             return output
         if tp.split_input:
             input = ops.scatter_to_tp_region(input, tp.group, dim=-1)
-        output = ops.reduce_from_tp_region(_linear(input, weight, None, split_bw), tp.group)
+        partial = _linear(input, weight, None, split_bw)
+        if tp.scatter_output:  # the sum of this rank's output features only (backward: all-gather)
+            output = ops.reduce_scatter_to_sp_region(partial, tp.group, dim=partial.dim() - 1)
+        else:
+            output = ops.reduce_from_tp_region(partial, tp.group)
         return output if self.bias is None else output + self.bias
 
 
@@ -360,8 +366,8 @@ class Colwise(Style):
 class Rowwise(Style):
     name = "rowwise"
 
-    def __init__(self, split_input: bool = False, packed: int = 1):
-        self.split_input, self.packed = split_input, packed
+    def __init__(self, split_input: bool = False, packed: int = 1, scatter_output: bool = False):
+        self.split_input, self.packed, self.scatter_output = split_input, packed, scatter_output
 
     def apply(self, module, name, ctx):
         kind = _linear_kind(module, name, self.name)
@@ -372,10 +378,12 @@ class Rowwise(Style):
                             f"not divide")
         shard_parameter(module.weight, Split(dim, in_features), ctx, f"{name}.weight")
         if module.bias is not None:
-            shard_parameter(module.bias, Replicated(), ctx, f"{name}.bias")
+            bias_layout = Split(0, module.bias.shape[0]) if self.scatter_output else Replicated()
+            shard_parameter(module.bias, bias_layout, ctx, f"{name}.bias")
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
-        module.tp = LinearTP(ctx.group, column=False, split_input=self.split_input, split_bw=ctx.split_bw)
+        module.tp = LinearTP(ctx.group, column=False, split_input=self.split_input, split_bw=ctx.split_bw,
+                             scatter_output=self.scatter_output)
 
     def apply_param(self, module, param_name, name, ctx):
         param = getattr(module, param_name)
@@ -504,10 +512,23 @@ class MoeIdentityExpert(Style):
 
 
 class AllReduce(Style):
+    """A module computing a partial sum from split parameters (g on its output). Unless a TP
+    linear inside it splits its input itself (its f), the module's floating inputs enter through
+    f, so their gradients are summed too (parameters used as raw tensors: fused shared experts)."""
+
     name = "all_reduce"
 
     def apply(self, module, name, ctx):
         group = ctx.group
+
+        def inputs(module, args, kwargs):
+            if any(isinstance(getattr(m, "tp", None), LinearTP) for m in module.modules()):
+                return None
+            f = lambda t: ops.copy_to_tp_region(t, group) if isinstance(t, torch.Tensor) and t.is_floating_point() \
+                else t  # noqa: E731
+            return tuple(map(f, args)), {k: f(v) for k, v in kwargs.items()}
+
+        ctx.hooks.append(module.register_forward_pre_hook(inputs, with_kwargs=True))
         ctx.hooks.append(module.register_forward_hook(_map_first_output(lambda y: ops.reduce_from_tp_region(y, group))))
 
 
@@ -560,6 +581,7 @@ STYLES: Dict[str, Style] = {
     "rowwise": _named(Rowwise(), "rowwise"),
     "rowwise_split_input": _named(Rowwise(split_input=True), "rowwise_split_input"),
     "rowwise_rep": _named(Rowwise(split_input=True), "rowwise_rep"),
+    "rowwise_scatter_output": _named(Rowwise(scatter_output=True), "rowwise_scatter_output"),
     "packed_rowwise": PackedRowwise(),
     "embedding_rowwise": _named(Embedding(vocab_parallel=True), "embedding_rowwise"),
     "embedding_colwise": _named(Embedding(vocab_parallel=False), "embedding_colwise"),

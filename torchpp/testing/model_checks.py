@@ -35,7 +35,6 @@ def float64_throughout():
         return dtype in (torch.float32, torch.float)
 
     original_float, original_to, original_type = torch.Tensor.float, torch.Tensor.to, torch.Tensor.type
-    originals = {name: getattr(torch.nn.functional, name) for name in ("softmax", "log_softmax")}
 
     # A cast to float32 becomes one to float64 (float32 parameters a model keeps, e.g. a
     # router's, are cast up where the model casts them).
@@ -57,21 +56,24 @@ def float64_throughout():
 
     def with_dtype(function):
         @functools.wraps(function)
-        def wrapped(input, *args, dtype=None, **kwargs):
-            if keeps(dtype):
-                dtype = torch.float64
-            return function(input, *args, dtype=dtype, **kwargs)
+        def wrapped(input, *args, **kwargs):
+            if keeps(kwargs.get("dtype")):
+                kwargs["dtype"] = torch.float64
+            return function(input, *args, **kwargs)
         return wrapped
 
+    # softmax with dtype=float32 as a function, a torch function or a tensor method (a router's).
+    homes = [(home, name) for home in (torch.nn.functional, torch, torch.Tensor) for name in ("softmax", "log_softmax")]
+    saved = {(home, name): getattr(home, name) for home, name in homes}
     torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = float_, to, type_
-    for name, function in originals.items():
-        setattr(torch.nn.functional, name, with_dtype(function))
+    for (home, name), function in saved.items():
+        setattr(home, name, with_dtype(function))
     try:
         yield
     finally:
         torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = original_float, original_to, original_type
-        for name, function in originals.items():
-            setattr(torch.nn.functional, name, function)
+        for (home, name), function in saved.items():
+            setattr(home, name, function)
 
 
 # atol of float32 tensors, relative to their scale: a float64 model's few float32 tensors (a
@@ -202,21 +204,21 @@ def _compare_values(wrapped, reference: nn.Module, what: str) -> None:
         assert_close(value, expected[name], f"{what} value of {name} after one SGD step")
 
 
-def check_tp(model_type: str, tp: int = 2, *, sequence_parallel: bool = False, **extra) -> str:
+def check_tp(model_type: str, tp: int = 2, *, sequence_parallel: bool = False, plan=None, **extra) -> str:
     """tp ranks (pp=1): the wrapped model called as before returns the same loss and full
-    logits; its gradients and one SGD step equal the unwrapped model's."""
+    logits; its gradients and one SGD step equal the unwrapped model's. ``plan``: parallelize's."""
     with precision(extra.get("dtype", torch.float64)):
-        return _check_tp(model_type, tp, sequence_parallel, **extra)
+        return _check_tp(model_type, tp, sequence_parallel, plan, **extra)
 
 
-def _check_tp(model_type: str, tp: int, sequence_parallel: bool, **extra) -> str:
+def _check_tp(model_type: str, tp: int, sequence_parallel: bool, plan, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, pp=1)
     model = tiny_model(model_type, **extra)
     reference = copy.deepcopy(model).to(state.device)
     ids, labels = (t.to(state.device) for t in batch(model.config.get_text_config().vocab_size))
     ref_loss, ref_output, ref_grads = _reference(reference, ids, labels)
     _sgd(reference.parameters())
-    wrapped = parallelize(model, state=state, sequence_parallel=sequence_parallel)
+    wrapped = parallelize(model, state=state, sequence_parallel=sequence_parallel, plan=plan)
     what = f"{model_type} tp={tp}{' sp' if sequence_parallel else ''}"
     if _is_causal_lm(model):
         wrapped.loss_function = exact_causal_lm_loss
@@ -237,14 +239,14 @@ def _check_tp(model_type: str, tp: int, sequence_parallel: bool, **extra) -> str
 
 
 def check_pp(model_type: str, pp: int = 2, schedule: str = "zb-h1", n_microbatches: int = 4, tp: int = 1,
-             **extra) -> str:
+             plan=None, **extra) -> str:
     """pp (x tp) ranks: ``step`` over the pipeline gives the unwrapped model's loss (on the last
-    stage) and gradients, and one SGD step its values."""
+    stage) and gradients, and one SGD step its values. ``plan``: parallelize's."""
     with precision(extra.get("dtype", torch.float64)):
-        return _check_pp(model_type, pp, schedule, n_microbatches, tp, **extra)
+        return _check_pp(model_type, pp, schedule, n_microbatches, tp, plan, **extra)
 
 
-def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: int, **extra) -> str:
+def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: int, plan, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, pp=pp)
     model = tiny_model(model_type, **extra)
     reference = copy.deepcopy(model).to(state.device)
@@ -254,7 +256,7 @@ def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: 
     causal = _is_causal_lm(model)
     probe = None if causal else _Probe(model.config.get_text_config().hidden_size, state.device)
     wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state,
-                          loss_fn=None if causal else probe)
+                          loss_fn=None if causal else probe, plan=plan)
     what = f"{model_type} pp={pp} tp={tp} {schedule}"
     if causal:
         loss = wrapped.step(ids if wrapped.has_first_stage else None, labels if wrapped.has_last_stage else None)

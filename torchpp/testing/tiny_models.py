@@ -30,7 +30,7 @@ SIZES = {
     "n_group": 1, "topk_group": 1, "num_expert_group": 1, "n_shared_experts": 1, "num_shared_experts": 1,
     "moe_num_shared_experts": 1, "num_sliding_attention_heads": 4,
     "kv_lora_rank": 16, "q_lora_rank": 24, "o_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-    "v_head_dim": 16, "qk_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+    "v_head_dim": 16, "qk_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8, "index_kpool": 4,
     "o_groups": 2, "num_attention_heads_per_layer": 4,
     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_head_dim": 8, "linear_num_key_heads": 2,
     "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
@@ -82,6 +82,12 @@ UNBUILDABLE: Dict[str, str] = {
     "t5gemma2_decoder": "a cross-attention decoder: its forward needs encoder_hidden_states",
     "voxtral_realtime_text": "its decoder layers scale by a time-conditioning embedding t_cond that token ids "
                              "do not provide (the audio model passes it)",
+}
+# Types whose tiny model runs but which no pipeline can cut, and why (the sweep prints the reason).
+NOT_PIPELINED: Dict[str, str] = {
+    "hrm_text": "its forward runs its two stacks of layers (L_module, H_module) in cycles, each layer several times "
+                "per step, and its base_model_pp_plan names a `layers` module HrmTextModel does not have: transformers "
+                "itself cannot pipeline it",
 }
 DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id", "image_token_id",
@@ -230,7 +236,9 @@ def tiny_model(model_type: str, *, seed: int = 1234, dtype: torch.dtype = torch.
     Args:
         model_type: a transformers model type (see ``causal_lm_types``).
         seed: the seed of the initialisation; the same seed gives the same parameters.
-        dtype: the parameters' dtype.
+        dtype: the parameters' dtype (float64: all of them, those transformers keeps in
+            float32 too, as ``model_checks.float64_throughout`` turns casts to float32 into
+            casts to float64).
         causal_lm: True for the causal-LM class, False for the base model, None for either.
         jitter: the std of a seeded normal noise added to every parameter initialised to one
             constant (zero biases, unit norms, zero gates such as doge's ``A``): a constant would
@@ -241,6 +249,8 @@ def tiny_model(model_type: str, *, seed: int = 1234, dtype: torch.dtype = torch.
     cls = model_class(config, causal_lm)
     torch.manual_seed(seed)
     model = cls._from_config(config, dtype=dtype)
+    if dtype == torch.float64:  # modules transformers keeps in float32 too: float64_throughout casts to float64
+        model.to(torch.float64)
     if jitter:
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

@@ -1,0 +1,64 @@
+"""The mechanisms behind the transformers types that once failed to wrap, each on a small family
+that shows it, and the flagship families (Gemma 4, DeepSeek-V4, Mistral Large 4) at tp=2 and at
+pp=2 under zb-h1 and interleaved-1f1b. All on 2 gloo ranks in float64 against the unwrapped
+model (torchpp.testing.model_checks: loss, logits, every gradient, one SGD step).
+
+Pipeline (pp=2):
+- modules run in another order than registered (T5Gemma's final norm registered before the
+  layers, Phi-4's embedding after them), found by a traced forward (torchpp.models.run_order);
+- trainable modules every stage runs (Gemma 3n's per-layer embeddings): kept on every pipeline
+  rank, their gradients summed over the pipeline; and what layers leave in a shared mapping for
+  later layers (its shared key/value states) travels to the next stage;
+- layers that read the token ids (Higgs audio's audio-token masks): the ids travel along;
+- layers returning more than the hidden states (GLM-MoE-DSA's top-k indices): it travels along.
+Tensor parallelism (tp=2):
+- per-layer configs (transformers' heterogeneous configs): head counts read per layer;
+- statistics across a split width (ESMC's full-width q/k norms, Gemma 3n's sparse activations):
+  that group gathers (torchpp.models.split_checks); a row split nothing feeds a split input to
+  (GLM-5-Next's linear-attention layers) stays whole;
+- fused ``gate_up_proj`` experts split half by half, and shared experts of raw parameters
+  whose inputs need their gradients summed (Inkling);
+- per-head quantities of split attention (Doge's dynamic mask);
+- modules transformers keeps in float32, and float32 softmax as a tensor method, inside a
+  float64 comparison (Bailing hybrid, DeepSeek-OCR 2).
+"""
+import pytest
+
+from torchpp.testing.model_checks import check_pp, check_tp
+
+TIMEOUT_S = 300
+
+
+def run_checks(cases):
+    done = []
+    for check, model_type, options in cases:
+        (check_tp if check == "tp" else check_pp)(model_type, **options)
+        done.append(f"{check} {model_type} {options}")
+    return done
+
+
+PP_SCHEDULES = [("pp", dict(schedule="zb-h1")), ("pp", dict(schedule="interleaved-1f1b", n_microbatches=4))]
+MECHANISMS = {
+    "run order differs from registration": [("pp", "t5_gemma_module", {}), ("pp", "phi4_multimodal", {})],
+    "modules every stage runs, state left for later layers": [("pp", "gemma3n_text", {})],
+    "layers reading token ids": [("pp", "higgs_audio_v2", {})],
+    "layers returning extra outputs": [("pp", "glm_moe_dsa", {})],
+    "per-layer head counts": [("tp", "embedding_gemma2_text", {})],
+    "statistics across a split width": [("tp", "esmc", {}), ("tp", "gemma3n_text", {}), ("tp", "glm5_next_text", {})],
+    "fused and shared experts": [("tp", "inkling_text", {})],
+    "per-head quantities": [("tp", "doge", {})],
+    "float32 inside float64": [("tp", "bailing_hybrid", {}), ("tp", "deepseek_ocr2_text", {})],
+}
+FLAGSHIPS = ("gemma4_text", "deepseek_v4", "mistral_large4_text")
+
+
+@pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
+def test_mechanism(ranks, mechanism):
+    cases = MECHANISMS[mechanism]
+    assert ranks(2).run(run_checks, cases, timeout=TIMEOUT_S)[0] == [f"{c} {t} {o}" for c, t, o in cases]
+
+
+@pytest.mark.parametrize("model_type", FLAGSHIPS)
+def test_flagship(ranks, model_type):
+    cases = [("tp", model_type, {})] + [(check, model_type, options) for check, options in PP_SCHEDULES]
+    assert len(ranks(2).run(run_checks, cases, timeout=TIMEOUT_S)[0]) == 3

@@ -1,0 +1,114 @@
+"""What parallelize reads from a model's structure, single-process: where modules run relative
+to the stack (torchpp.models.run_order), per-layer head counts of heterogeneous configs, the
+placeholders of modules held elsewhere, and plan="auto" (torchpp.models.auto_plan)."""
+import pytest
+import torch
+
+from torchpp.models.auto_plan import auto_plans, find_stack
+from torchpp.models.passes.resolve import layer_contexts
+from torchpp.models.plans import hf_layout, hf_tp_plan
+from torchpp.models.run_order import traced_layout
+from torchpp.models.stages import Elsewhere
+from torchpp.tensor_parallel.styles import PlanError, TPContext
+from torchpp.testing.tiny_models import tiny_model
+
+
+def layout_of(model_type):
+    model = tiny_model(model_type)
+    return traced_layout(model, hf_layout(model), 97)
+
+
+def test_module_registered_after_the_stack_but_run_before_goes_first():
+    layout = layout_of("phi4_multimodal")  # embed_tokens_extend: registered after the layers
+    assert "model.embed_tokens_extend" in layout.before and "model.embed_tokens_extend" not in layout.after
+
+
+def test_module_registered_before_the_stack_but_run_after_goes_last():
+    layout = layout_of("t5_gemma_module")  # the encoder's final norm is registered before its layers
+    assert (layout.before, layout.after) == (["embed_tokens"], ["norm"])
+
+
+def test_modules_feeding_every_layer_are_shared():
+    assert layout_of("mistral_large4_text").shared == ["rotary_emb"]  # a learned rotary scale
+    gemma4 = layout_of("gemma4_text")  # per-layer token embeddings, and what they are computed from
+    assert {"model.embed_tokens_per_layer", "model.per_layer_model_projection"} <= set(gemma4.shared)
+    assert "lm_head" in gemma4.after  # tied to a shared embedding, still run last
+    assert layout_of("llama").shared == []
+
+
+def test_heterogeneous_layers_get_their_own_head_counts():
+    model = tiny_model("gemma4_text")
+    config = model.config.get_text_config()
+    contexts = layer_contexts(model, TPContext(None, num_heads=4, num_kv_heads=2, head_dim=16), "model.layers")
+    assert contexts, "gemma4_text's global layers have their own head_dim"
+    for path, ctx in contexts.items():
+        layer = config.per_layer_config[int(path.rsplit(".", 1)[1])]
+        assert ctx.head_dim == layer.head_dim and ctx.num_kv_heads == layer.num_key_value_heads
+
+
+def test_elsewhere_returns_zeros_of_the_modules_output_shape():
+    embedding = torch.nn.Embedding(11, 6)
+    placeholder = Elsewhere("embed", True, embedding)
+    out = placeholder(torch.zeros(2, 5, dtype=torch.long))
+    assert out.shape == (2, 5, 6) and not out.any()
+    assert not list(placeholder.parameters())  # the shape copy is on the meta device, not registered
+
+
+@pytest.mark.parametrize("model_type, gathered, kept", [
+    ("esmc", "layers.0.self_attn", "layers.0.mlp"),  # q/k LayerNorms over every head at once
+    ("gemma3n_text", "model.layers.0.mlp", "model.layers.3.mlp"),  # sparse activations' mean and spread
+])
+def test_statistics_across_a_split_width_gather_that_group(model_type, gathered, kept):
+    from torchpp.models.split_checks import gather_where_width_statistics
+    from torchpp.tensor_parallel.plan import resolve_plan
+
+    model = tiny_model(model_type)
+    resolved = resolve_plan(model, hf_tp_plan(model)[0], False)
+    plan = gather_where_width_statistics(model, resolved, 97)
+    assert {s for n, s in plan.items() if n.startswith(gathered + ".")} == {"colwise_gather_output",
+                                                                             "rowwise_split_input"}
+    assert {s for n, s in plan.items() if n.startswith(kept + ".")} == {"colwise", "rowwise"}
+    assert not any(n.startswith(gathered + ".") and s == "replicated_with_grad_allreduce" for n, s in plan.items())
+
+
+def test_auto_plan_splits_readers_and_writers():
+    plan, layout = auto_plans(tiny_model("biogpt"))
+    assert layout.layers == find_stack(tiny_model("biogpt")) == "biogpt.layers"
+    assert plan == {"biogpt.layers.*.self_attn.q_proj": "colwise", "biogpt.layers.*.self_attn.k_proj": "colwise",
+                    "biogpt.layers.*.self_attn.v_proj": "colwise", "biogpt.layers.*.self_attn.out_proj": "rowwise",
+                    "biogpt.layers.*.fc1": "colwise", "biogpt.layers.*.fc2": "rowwise"}
+
+
+def test_auto_plan_norms_between_the_split_linears():
+    per_head, _ = auto_plans(tiny_model("persimmon"))  # q/k layernorms over each head
+    assert per_head["model.layers.*.self_attn.q_layernorm"] == "replicated_with_grad_allreduce"
+    assert per_head["model.layers.*.self_attn.dense"] == "rowwise"
+    whole, _ = auto_plans(tiny_model("olmoe"))  # q/k norms over every head at once
+    assert whole["model.layers.*.self_attn.q_proj"] == "colwise_gather_output"
+    assert whole["model.layers.*.self_attn.o_proj"] == "rowwise_split_input"
+    assert "model.layers.*.self_attn.q_norm" not in whole
+
+
+def test_auto_plan_names_the_module_it_cannot_decide():
+    with pytest.raises(PlanError, match=r"backbone\.layers\.0\.mixer\."):
+        auto_plans(tiny_model("mamba"))  # a state-space mixer's inner projections
+
+
+def test_trace_records_what_layers_hand_to_later_layers():
+    assert layout_of("glm_moe_dsa").extras  # (hidden, top-k indices) from every layer
+    state = layout_of("gemma3n_text").layer_state  # shared key/value states for the last layers
+    assert state and all(name == "shared_kv_states" for name, _ in state.values())
+    assert not layout_of("llama").extras and not layout_of("llama").layer_state
+
+
+def test_auto_plan_splits_fused_projections_part_by_part():
+    plan, _ = auto_plans(tiny_model("gpt2"))  # transformers' Conv1D; c_attn's output split into q, k, v
+    assert plan["transformer.h.*.attn.c_attn"] == "packed3_colwise"
+    assert plan["transformer.h.*.attn.c_proj"] == "rowwise" and plan["transformer.h.*.mlp.c_fc"] == "colwise"
+
+
+def test_loss_convention_is_read_from_the_model():
+    from torchpp.models.parallel_causal_lm import model_shifts_labels
+
+    assert model_shifts_labels(tiny_model("llama"), 97)  # token t predicts label t+1
+    assert not model_shifts_labels(tiny_model("blenderbot"), 97)  # each token's own label

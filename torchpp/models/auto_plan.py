@@ -1,0 +1,253 @@
+"""plan="auto": a TP and PP plan derived from a transformers model's module structure, for models
+whose config carries none (DeepSpeed's AutoTP idea: linears reading the residual stream are
+split by columns, those writing back into it by rows).
+
+- The stack of layers is the longest ``nn.ModuleList`` whose children are all of one class.
+- One traced forward on a few tokens follows, in each layer, the autograd graph between the
+  ``nn.Linear``s: a linear whose input comes from the layer's input through no other linear
+  *reads* the residual stream; one whose output reaches the layer's output through no other
+  linear *writes* back into it. A writer is ``rowwise`` and the readers feeding it ``colwise``;
+  parameters met between them (per-head norms) see head-split activations, so their gradients
+  are summed over TP; a norm over a reader's whole width (every head at once) makes that group
+  gather its outputs instead (``colwise_gather_output``, the writer ``rowwise_split_input``,
+  as transformers' OLMo 2 plan does). A reader that also writes (a router's gate) stays replicated. A linear
+  between two others (a low-rank projection's second half, a state-space model's inner
+  projections) is a case the rule cannot decide: ``PlanError`` names it.
+- Attention modules that count their heads in attributes (``num_heads``, ``embed_dim``) get
+  this rank's counts after the split (as DeepSpeed's AutoTP does).
+
+Embeddings and the output layer stay replicated. ``auto_plans`` logs the plan it chose (INFO
+on the ``torchpp`` logger) and returns it; ``describe_plan`` formats it.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from torchpp.models.autograd_walk import walk_back
+from torchpp.models.plans import layout_around, text_config
+from torchpp.models.stages import PipelineLayout, get_submodule
+from torchpp.tensor_parallel.styles import PlanError, TPContext
+
+LOG = logging.getLogger("torchpp")
+TRACE_TOKENS = 8
+# Attributes in which attention modules count their (query / key-value) heads or their width:
+# divided by tp on a branch whose projections are split (modules that reshape by -1 read none).
+HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
+                   "embed_dim", "all_head_size", "inner_dim", "split_size")
+
+
+def find_stack(model: nn.Module) -> str:
+    """The path of the longest ``nn.ModuleList`` whose children are all of one class."""
+    best: Optional[Tuple[int, str]] = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
+            if best is None or len(module) > best[0]:
+                best = (len(module), name)
+    if best is None:
+        raise PlanError(f"torchpp.parallelize(plan='auto'): {type(model).__name__} has no nn.ModuleList of identical "
+                        f"layers to cut into pipeline stages; pass plan=")
+    return best[1]
+
+
+def auto_plans(model: nn.Module) -> Tuple[Dict[str, str], PipelineLayout]:
+    """(TP plan, pipeline layout) of ``model`` derived as the module docstring says.
+
+    Raises:
+        PlanError: naming the module where the rule cannot decide (or why no trace ran).
+    """
+    stack = find_stack(model)
+    layers = list(get_submodule(model, stack))
+    if any(p.is_meta for p in model.parameters()):
+        raise PlanError("torchpp.parallelize(plan='auto') runs the model once on a few tokens to read its structure; "
+                        "a meta-device model cannot run: build it with weights, or pass plan=")
+    config = text_config(model)
+    heads = {getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads")} - {None}
+    traces = [_LayerTrace(layer, f"{stack}.{i}", heads) for i, layer in enumerate(layers)]
+    vocab = getattr(text_config(model), "vocab_size", None) or 2
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = (torch.arange(TRACE_TOKENS, device=device) % vocab).unsqueeze(0)
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
+                                                        device_type=device.type):
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for trace in traces:
+            trace.remove()
+    plan: Dict[str, str] = {}
+    for trace in traces:
+        plan.update(trace.decide())
+    if not plan:
+        raise PlanError(f"torchpp.parallelize(plan='auto'): no layer of {stack} has an nn.Linear reading its residual "
+                        f"stream that feeds one writing back into it: nothing to split; pass plan=")
+    plan = _as_globs(plan, stack, len(layers))
+    LOG.info("torchpp.parallelize(plan='auto') for %s:\n%s", type(model).__name__, describe_plan(plan, stack))
+    return plan, layout_around(model, stack)
+
+
+def describe_plan(plan: Dict[str, str], stack: str) -> str:
+    """One line per entry, and the stack the pipeline cuts."""
+    lines = [f"  {name}: {style}" for name, style in sorted(plan.items())]
+    return "\n".join(lines + [f"  pipeline stack: {stack}"])
+
+
+def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContext) -> None:
+    """Gives the modules holding split projections this rank's head counts and widths."""
+    owners = {name.rpartition(".")[0] for name, style in plan.items() if style in ("colwise", *PACKED_STYLES.values())}
+    for name, module in model.named_modules():
+        if not any(re.fullmatch(_glob_regex(owner), name) for owner in owners):
+            continue
+        for attribute in HEAD_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value % ctx.size == 0:
+                setattr(module, attribute, value // ctx.size)
+
+
+def _glob_regex(glob: str) -> str:
+    return re.escape(glob).replace(r"\*", r"[^.]+")
+
+
+def _as_globs(plan: Dict[str, str], stack: str, num_layers: int) -> Dict[str, str]:
+    """Entries every layer shares become one ``stack.*.name`` glob."""
+    per_name: Dict[str, Dict[int, str]] = {}
+    for name, style in plan.items():
+        index, _, rest = name[len(stack) + 1:].partition(".")
+        per_name.setdefault(rest, {})[int(index)] = style
+    out: Dict[str, str] = {}
+    for rest, styles in per_name.items():
+        if len(styles) == num_layers and len(set(styles.values())) == 1:
+            out[f"{stack}.*.{rest}"] = next(iter(styles.values()))
+        else:
+            out.update({f"{stack}.{i}.{rest}": style for i, style in styles.items()})
+    return out
+
+
+# A reader whose output is split into equal parts along its features (fused q, k, v; fused gate
+# and up) is split part by part.
+PACKED_STYLES = {2: "packed_colwise", 3: "packed3_colwise"}
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or transformers' Conv1D (GPT-2's linears, weight [in, out])."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and getattr(module, "weight", None)
+                                             is not None and module.weight.dim() == 2)
+
+
+def _packed_outputs(nodes, outputs: Dict[int, str]) -> Dict[str, int]:
+    """{linear: number of equal parts} for linears whose output a split along the last dimension
+    cuts into equal parts (the nodes of a walk that met them)."""
+    found: Dict[str, int] = {}
+    for node in nodes:
+        kind = type(node).__name__
+        if not kind.startswith("Split"):
+            continue
+        sources = [outputs.get(id(n)) for n, _ in node.next_functions if n is not None]
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        dim = getattr(node, "_saved_dim", None)
+        if not sizes or dim is None or not any(sources):
+            continue
+        dim = dim - 2**64 if dim >= 2**63 else dim
+        if dim % len(sizes) != len(sizes) - 1:
+            continue
+        parts = getattr(node, "_saved_split_sizes", None)
+        count = len(parts) if parts and len(set(parts)) == 1 else (
+            int(sizes[-1]) // int(node._saved_split_size) if hasattr(node, "_saved_split_size") else 1)
+        for source in filter(None, sources):
+            found[source] = count
+    return found
+
+
+def _first_tensor(value) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(_first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):  # transformers' ModelOutput is one
+        return _first_tensor(list(value.values()))
+    return None
+
+
+class _LayerTrace:
+    """Hooks on one layer and its linears; the decision from what they saw (module docstring)."""
+
+    def __init__(self, layer: nn.Module, path: str, heads=()):
+        self.path, self.heads = path, set(heads)
+        self.input: Optional[torch.Tensor] = None
+        self.output: Optional[torch.Tensor] = None
+        self.linears: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.owners: Dict[int, str] = {}  # id of a parameter -> the module holding it (not a linear)
+        self._params = [p for name, m in layer.named_modules() if name and not _is_linear(m)
+                        for p in m.parameters(recurse=False)]
+        self.param_names = {id(p): f"{path}.{name}" for name, p in layer.named_parameters()}
+        for name, module in layer.named_modules():
+            if not _is_linear(module):  # the layer itself too: parameters held by the attention block directly
+                self.owners.update({id(p): f"{path}.{name}".rstrip(".") for p in module.parameters(recurse=False)})
+        self._hooks = [layer.register_forward_pre_hook(self._enter, with_kwargs=True),
+                       layer.register_forward_hook(self._leave)]
+        self._hooks += [module.register_forward_hook(self._linear(f"{path}.{name}"))
+                        for name, module in layer.named_modules() if _is_linear(module)]
+
+    def _enter(self, module, args, kwargs):
+        if self.input is None:
+            self.input = _first_tensor(list(args) + [kwargs.get("hidden_states")])
+
+    def _leave(self, module, args, output):
+        if self.output is None:
+            self.output = _first_tensor(output)
+
+    def _linear(self, name):
+        def hook(module, args, output):
+            self.linears.setdefault(name, (_first_tensor(args), _first_tensor(output)))
+        return hook
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def decide(self) -> Dict[str, str]:
+        if self.input is None or self.output is None or not self.linears:
+            return {}
+        outputs = {id(out.grad_fn): name for name, (_, out) in self.linears.items()
+                   if out is not None and out.grad_fn is not None}
+        entry = self.input.grad_fn
+        reaching_output = walk_back([self.output], outputs, entry).reached  # last linears before the output
+        seen, packed = {}, {}
+        for name, (inp, _) in self.linears.items():
+            walk = walk_back([inp], outputs, entry)
+            seen[name] = (walk.reached, walk.entry, walk.params)
+            packed.update(_packed_outputs(walk.nodes, outputs))
+        # Reads the residual stream: the layer input, or earlier writers' outputs added to it.
+        readers = {n for n, (before, from_input, _) in seen.items() if (before or from_input)
+                   and before <= reaching_output}
+        writers = {n for n in reaching_output if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output}
+        colwise = set().union(*(seen[w][0] for w in writers)) if writers else set()
+        undecided = sorted((set(self.linears) - readers - reaching_output) | (colwise & reaching_output)
+                           | {n for n in reaching_output - writers if n not in readers})
+        if undecided:
+            raise PlanError(f"torchpp.parallelize(plan='auto'): {undecided[0]} neither reads {self.path}'s residual "
+                            f"stream nor writes back into it alone (it sits between other linears, or its output "
+                            f"goes two ways): the rule cannot decide how to split it; pass plan=")
+        plan: Dict[str, str] = {}
+        params = {id(p): p for p in self._params}
+        for w in sorted(writers):
+            between = [params[i] for i in seen[w][2] if i in self.owners]
+            widths = [self.linears[r][1].shape[-1] for r in seen[w][0]]
+            if any(p.numel() in widths for p in between):
+                # A norm over a projection's whole width (every head at once): the readers' outputs are
+                # gathered and the writer splits its input, as transformers' OLMo 2 plan does.
+                plan.update({r: "colwise_gather_output" for r in seen[w][0]})
+                plan[w] = "rowwise_split_input"
+                continue
+            plan.update({r: PACKED_STYLES.get(packed.get(r, 1), "colwise") for r in seen[w][0]})
+            plan[w] = "rowwise"
+            # Parameters applied to head-split activations (per-head norms): each rank sees its heads.
+            # A vector of one value per head (attention sinks) is split with the heads.
+            per_head = [p for p in between if p.dim() == 1 and p.numel() in self.heads]
+            plan.update({self.param_names[id(p)]: "colwise" for p in per_head})
+            plan.update({self.owners[id(p)]: "replicated_with_grad_allreduce" for p in between
+                         if not any(p is q for q in per_head)})
+        return plan

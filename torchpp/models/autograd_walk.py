@@ -1,0 +1,67 @@
+"""One walk back through autograd graphs, shared by what reads a model's structure from a traced
+forward (``run_order``, ``split_checks``, ``auto_plan``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, List, Mapping, Optional, Set
+
+import torch
+
+
+@dataclass
+class Walk:
+    """What a walk back from some tensors met.
+
+    Attributes:
+        reached: names of the named stops reached (the walk does not go past them).
+        params: ids of the leaf tensors (parameters) met.
+        entry: whether the entry node was reached (the walk does not go past it either).
+        nodes: every node visited, for callers that read the operations on the way.
+    """
+
+    reached: Set[str] = field(default_factory=set)
+    params: Set[int] = field(default_factory=set)
+    entry: bool = False
+    nodes: List[object] = field(default_factory=list)
+
+
+def walk_back(tensors: Iterable[Optional[torch.Tensor]], named: Mapping[int, str] = None, entry=None,
+              blocked: Iterable[object] = ()) -> Walk:
+    """Walks back from ``tensors``' grad_fns.
+
+    Args:
+        tensors: where to start (None entries and tensors without history are skipped, a leaf
+            that requires grad counts as a parameter met).
+        named: id(node) -> name: nodes to record and not go past (linears' outputs).
+        entry: a node to record and not go past (a layer's input).
+        blocked: nodes not to go past, unrecorded (the layers' outputs).
+    """
+    named = named or {}
+    blocked_ids = {id(node) for node in blocked}
+    walk = Walk()
+    pending = []
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if tensor.grad_fn is not None:
+            pending.append(tensor.grad_fn)
+        elif tensor.requires_grad:
+            walk.params.add(id(tensor))
+    seen: Set[int] = set()
+    while pending:
+        node = pending.pop()
+        if id(node) in seen or id(node) in blocked_ids:
+            continue
+        seen.add(id(node))
+        if id(node) in named:
+            walk.reached.add(named[id(node)])
+            continue
+        if entry is not None and node is entry:
+            walk.entry = True
+            continue
+        walk.nodes.append(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            walk.params.add(id(variable))
+        pending.extend(n for n, _ in node.next_functions if n is not None)
+    return walk

@@ -1,0 +1,27 @@
+"""Context parallelism (cp > 1): every attention call of a transformers causal LM runs on this
+rank's shard of the sequence, exchanging keys and values over the cp group
+(torchpp.context_parallel.hf); the wrapped model shards each batch it is given."""
+from __future__ import annotations
+
+from torch import nn
+
+from torchpp.models.parallel_config import ContextOptions
+from torchpp.models.passes.state import WrapState
+
+
+def apply_cp(model: nn.Module, state: WrapState, options: ContextOptions) -> nn.Module:
+    """Routes the model's attention through sharded attention (cp > 1; sets ``state.context``).
+
+    Args:
+        model: a transformers causal LM (``apply_plans`` refuses anything else at cp > 1).
+        state: reads parallel; fills context.
+        options: mode ("ring" or "all-gather") and layout ("zigzag" or "contiguous").
+    """
+    ps = state.parallel
+    if ps.cp == 1:
+        return model
+    from torchpp.context_parallel.hf import ContextParallel, apply_context_parallel
+
+    state.context = ContextParallel(ps.cp_group, options.mode, options.layout)
+    apply_context_parallel(model, state.context, recompute_core=False)
+    return model

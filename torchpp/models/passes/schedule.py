@@ -1,0 +1,118 @@
+"""Schedule building (pp > 1): this rank's stages become ``PipelineStage``s under the schedule,
+the stages carry what the loss needs (router statistics), and parameters held by the two end
+stages (a tied embedding and head) get their group."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from torchpp.models.parallel_config import PipelineOptions
+from torchpp.models.passes.state import WrapState
+from torchpp.models.plans import text_config
+from torchpp.models.stages import ModelStage, get_submodule
+from torchpp.parallel.groups import ParallelState, rank_grid
+
+
+def apply_schedule(model: nn.Module, state: WrapState, options: PipelineOptions) -> nn.Module:
+    """Builds ``model.schedule`` over this rank's stages (pp > 1).
+
+    Args:
+        model: the parallelized model (``ParallelCausalLM`` or ``ParallelModule``).
+        state: reads parallel, causal_lm, placement, stages, tied, tp_context, overlap.
+        options: schedule and split_bw.
+    """
+    ps, where = state.parallel, state.placement
+    if ps.pp == 1:
+        return model
+    if state.causal_lm and getattr(text_config(model), "output_router_logits", False):
+        _carry_router_load(model, state.stages)
+    _group_end_stages(model, state)
+    from torchpp.pipeline import PipelineStage, build_schedule
+
+    mine, stages = where.mine, state.stages
+    pipeline_stages = [PipelineStage(stages[i], i, where.num_stages, ps.device, group=ps.pp_group,
+                                     tp_group=ps.tp_group, split_bw=options.split_bw) for i in mine]
+    # A plain list, not a submodule: the stages' parameters are the model's, under their own names.
+    object.__setattr__(model, "pipeline_stages", [stages[i] for i in mine])
+    if state.causal_lm:
+        head = model.get_output_embeddings() if where.num_stages - 1 in mine else None  # elsewhere: a placeholder
+        if getattr(head, "tp", None) is not None:
+            head.tp.gather_output = False  # the last stage's loss works on vocabulary slices
+        loss = model._microbatch_loss
+    else:
+        loss = model.loss_fn
+    overlap_forward_backward, overlap_groups = state.overlap
+    # Sequence-parallel hidden states differ per TP rank, so the pipeline must not split/gather them.
+    model.schedule = build_schedule(options.schedule, pipeline_stages, where.n_microbatches, loss_fn=loss,
+                                    costs=state.stage_costs, scatter_gather=not state.tp_context.sequence_parallel,
+                                    grad_scaler=model.grad_scaler, overlap_forward_backward=overlap_forward_backward,
+                                    overlap_groups=overlap_groups)
+    return model
+
+
+def _group_end_stages(model: nn.Module, state: WrapState) -> None:
+    """Groups for what several pipeline ranks hold: the modules every stage runs (their
+    gradients summed over the pipeline), a tied embedding and head on the first and last stages
+    (summed over those two ranks), and under DualPipe the loss (each end rank computes its
+    pipeline's half)."""
+    ps, where, tied = state.parallel, state.placement, state.tied
+    first, last = where.rank_of[0], where.rank_of[where.num_stages - 1]
+    stage_shared = []
+    shared = _unique(p for path in state.layout.shared for p in get_submodule(model, path).parameters()
+                     if p.requires_grad)  # a frozen table (sinusoidal positions) gets no gradient to sum
+    if shared:
+        stage_shared.append((shared, ps.pp_group))
+        if ps.pp_rank != first:  # the gradient norm counts them on the first stage's rank
+            for param in shared:
+                param.shared_duplicate = True
+    if first != last and where.num_pipelines == 1:
+        in_shared = {id(p) for p in shared}
+        embedding_tied = [p for p in tied if any(p is q for q in model.parameters()) and id(p) not in in_shared]
+        if embedding_tied:
+            model.embedding_group = end_ranks_group(ps, first, last)
+            object.__setattr__(model, "_tied_copy", embedding_tied[0])  # not registered: a second name
+            stage_shared.append(([embedding_tied[0]], model.embedding_group))
+            if where.num_stages - 1 in where.mine:  # after finish_grads both copies hold the same gradient
+                embedding_tied[0].shared_duplicate = True
+        elif tied:
+            end_ranks_group(ps, first, last)  # collective: every rank creates it
+    if where.num_pipelines == 2:
+        model.loss_group = end_ranks_group(ps, first, last)
+    model._stage_shared = stage_shared
+
+
+def _unique(params) -> List[nn.Parameter]:
+    seen = {}
+    for param in params:
+        seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def end_ranks_group(state: ParallelState, first_rank: int, last_rank: int) -> Optional[dist.ProcessGroup]:
+    """The group of two pipeline ranks (the first and last stages') with this rank's (dp, tp)
+    coordinates; collective: every rank creates every such group."""
+    grid = rank_grid(state.tp, state.pp, state.dp, state.order)
+    mine = None
+    for d in range(state.dp):
+        for t in range(state.tp):  # every rank creates every group, in the same order
+            ranks = [int(grid[first_rank, d, t]), int(grid[last_rank, d, t])]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+    return mine
+
+
+def _carry_router_load(model: nn.Module, stages: Dict[int, ModelStage]) -> None:
+    """The stages carry the router statistics of the load-balancing loss, which the last stage's
+    loss adds per microbatch (torchpp.expert_parallel.router_load)."""
+    from torchpp.expert_parallel.router_load import aux_loss_shape, record_router_load
+
+    shape = aux_loss_shape(model)
+    if shape is None:  # a causal LM without transformers' aux loss (DeepSeek-V3's) adds none at pp=1 either
+        return
+    record_router_load(model)
+    for stage in stages.values():
+        stage.router_load = shape
+    model.carries_router_load = True

@@ -1,0 +1,136 @@
+"""Where a transformers model's modules run relative to its stack of layers, from one traced forward.
+
+The registration order (``plans.layout_around``) is a guess that transformers usually keeps:
+modules registered before the stack run before it. Not always: a final norm registered before
+the layers (T5Gemma's encoder), or per-layer embeddings registered after them but run before
+(Gemma 3n, Phi-4 multimodal). A forward on a few tokens, with hooks, tells for each module
+outside the stack that holds parameters:
+
+- whether it first runs before the first layer (first pipeline stage) or after the last (last stage);
+- whether it is *shared*: its parameters reach, through autograd, an input of a layer other than
+  the hidden states (a rotary table with a learned scale, per-layer token embeddings). Every
+  stage needs such a module: it is kept on every pipeline rank, and its gradients are summed
+  over the pipeline (``torchpp.models.passes.schedule``).
+
+A model that cannot run here (built on the meta device, where a data-dependent step fails)
+keeps its registration order.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import UserDict
+from typing import Dict, List, Set, Tuple
+
+import torch
+from torch import nn
+
+from torchpp.models.autograd_walk import walk_back
+from torchpp.models.stages import PipelineLayout, get_submodule
+
+TRACE_TOKENS = 8
+
+
+def traced_layout(model: nn.Module, layout: PipelineLayout, vocab_size: int) -> PipelineLayout:
+    """``layout`` with its modules ordered by a traced forward and the shared ones set apart.
+
+    Args:
+        model: the unwrapped transformers model (run once on ``TRACE_TOKENS`` tokens; unchanged).
+        layout: the registration-order layout around the stack.
+        vocab_size: token ids of the trace stay below it.
+    """
+    candidates = list(layout.before) + list(layout.after)
+    try:
+        first_call, start, end, reached, extras, state, handed = _trace(model, layout, candidates, vocab_size)
+    except Exception:  # noqa: BLE001 - a model that cannot run here keeps the registration order
+        return layout
+    # Run before the stack's end (or inside it) and feeding the layers: every stage needs it. (A tied
+    # head after the stack shares a parameter with a shared embedding but runs on the last stage.)
+    shared = [p for p in candidates if first_call.get(p, end + 1) <= end
+              and (_holds_any(get_submodule(model, p), reached) or first_call[p] >= start or p in handed)]
+    rest = [p for p in candidates if p not in shared]
+    registered_before = set(layout.before)
+    before = [p for p in rest if first_call.get(p, end + 1) < start or (p not in first_call and p in registered_before)]
+    after = [p for p in rest if p not in before]
+    by_call = lambda p: first_call.get(p, float("inf"))  # noqa: E731 - modules that never ran keep their place
+    return PipelineLayout(layout.layers, sorted(before, key=by_call), sorted(after, key=by_call), shared, extras,
+                          state)
+
+
+def _holds_any(module: nn.Module, reached: Set[int]) -> bool:
+    return any(id(param) in reached for param in module.parameters())
+
+
+def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], vocab_size: int):
+    """(first call index of each candidate, index at the first layer's start, index at the last
+    layer's end, ids of the parameters reaching the layers' other inputs, the layers' extra
+    outputs: ``PipelineLayout.extras``)."""
+    counter = itertools.count()
+    first_call: Dict[str, int] = {}
+    side: List[torch.Tensor] = []
+    exits: Set[object] = set()
+    marks: Dict[str, int] = {}
+    extras: Dict[int, Tuple[bool, ...]] = {}
+    state: Dict[int, tuple] = {}
+    layers = list(get_submodule(model, layout.layers))
+    hooks = []
+
+    def on_call(path):
+        def hook(module, args):
+            first_call.setdefault(path, next(counter))
+        return hook
+
+    def on_layer(module, args, kwargs):
+        marks.setdefault("start", next(counter))
+        others = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+        side.extend(_tensors(others))
+
+    def on_layer_exit(index):
+        def hook(module, args, kwargs, output):
+            marks["end"] = next(counter)
+            exits.update(t.grad_fn for t in _tensors([output]) if t.grad_fn is not None)
+            if isinstance(output, (tuple, list)) and len(output) > 1:  # (hidden, what the next layer reads)
+                extras[index] = tuple(isinstance(o, torch.Tensor) for o in output[1:])
+            for name, value in kwargs.items():  # a mapping the layers fill for later layers (shared k/v)
+                if isinstance(value, (dict, UserDict)) and value and all(
+                        isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v) for v in value.values()):
+                    state[index] = (name, tuple((key, len(v)) for key, v in value.items()))
+        return hook
+
+    outputs: Dict[str, Set[int]] = {}
+
+    def on_output(path):
+        def hook(module, args, output):
+            outputs.setdefault(path, set()).update(t.untyped_storage().data_ptr() for t in _tensors([output]))
+        return hook
+
+    for path in candidates:  # a container (a ModuleList of projections) runs when its first member does
+        hooks.extend(module.register_forward_pre_hook(on_call(path)) for module in get_submodule(model, path).modules())
+        hooks.append(get_submodule(model, path).register_forward_hook(on_output(path)))
+    for index, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(on_layer, with_kwargs=True))
+        hooks.append(layer.register_forward_hook(on_layer_exit(index), with_kwargs=True))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
+    devices = [device] if device.type not in ("cpu", "meta") else []
+    try:  # the trace draws no random numbers the training would (dropout): the streams are restored
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices, device_type=device.type):
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # Modules whose output itself (or a view of it) reaches a layer: a table without gradients (sinusoidal positions).
+    side_storage = {t.untyped_storage().data_ptr() for t in side}
+    handed = {path for path, ptrs in outputs.items() if ptrs & side_storage}
+    return first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state, handed
+
+
+def _tensors(values) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(_tensors(value))
+        elif isinstance(value, dict):
+            out.extend(_tensors(list(value.values())))
+    return out
