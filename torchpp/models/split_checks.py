@@ -22,6 +22,8 @@ from torchpp.models.autograd_walk import walk_back
 COLUMN_STYLES = ("colwise",)
 ROW_STYLES = ("rowwise",)
 TRACE_TOKENS = 8
+# Autograd nodes that combine features along a dimension (not softmax: within a head, over keys).
+REDUCTIONS = ("Mean", "Var", "Std", "Sum", "Norm", "Prod", "Amax", "Amin", "MaxBackward", "MinBackward", "LogsumexpBackward")
 
 
 def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str], vocab_size: int) -> Dict[str, str]:
@@ -82,7 +84,8 @@ def _last_dim_reduced(node) -> List[int]:
     if shape:  # a layer norm over the trailing dims
         return [int(shape[-1])]
     dims = getattr(node, "_saved_dim", None)
-    if dims is None or "Softmax" in type(node).__name__ or "Topk" in type(node).__name__:
+    # Only reductions: a slice or cat over the last dim (rotary's halves of a head) keeps features apart.
+    if dims is None or not any(word in type(node).__name__ for word in REDUCTIONS):
         return []
     sizes = getattr(node, "_saved_self_sym_sizes", None)
     if sizes is None:
