@@ -44,7 +44,9 @@ def _run(check: str, model_type: str, plan=None) -> str:
 def _first_line(error: str) -> str:
     """The exception line of the first rank's traceback (what a reader needs to know)."""
     lines = [line for line in error.splitlines() if line.strip()]
-    for line in lines:
+    for i, line in enumerate(lines):
+        if line.rstrip().endswith(":") and i + 1 < len(lines):  # the message starts on the next line
+            line = f"{line.rstrip()} {lines[i + 1].strip()}"
         if line.startswith(("AssertionError", "torchpp", "RuntimeError", "ValueError", "TypeError", "KeyError",
                             "AttributeError", "IndexError", "NotImplementedError", "PlanError")) or ": " in line and \
                 line.split(":")[0].endswith(("Error", "Exception")):
