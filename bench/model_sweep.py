@@ -153,7 +153,7 @@ def write_table(rows, path: str) -> None:
         "every gradient and one SGD step with the unwrapped model (rtol 1e-9). A failure shows its error.",
         "",
         f"transformers {transformers.__version__}, torch {torch.__version__}: **{_passing(plans)} of {len(plans)} types "
-        f"pass both**; {len(failing)} fail; {len(exceptions)} are exceptions, each because its forward takes no token",
+        f"pass both**; {len(failing) or 'none'} fail{'s' if len(failing) < 2 else ''}; {len(exceptions)} are exceptions, each because its forward takes no token",
         "ids or transformers itself cannot run (or pipeline) it:",
         "",
         *_exception_lines(exceptions),
