@@ -198,7 +198,8 @@ def write_table(rows, path: str) -> None:
             "where the rule cannot decide, it names the module.",
             "",
             f"**{_passing(auto)} of {len(auto)} types pass both**; sweep time {_minutes(auto):.1f} min (summed check "
-            "times). A failure here is the rule's or a tiny model's limit, stated as it is.",
+            "times). Each failure shows its error as it is: where the rule cannot decide (PlanError naming the module), a "
+            "tiny model transformers itself cannot build or run, or a wrapping bug not yet fixed.",
             *_not_run_lines([r["type"] for r in auto], auto_types()),
             "",
             "    python bench/model_sweep.py --auto",
