@@ -24,6 +24,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
 TIMEOUT_S = 120
+# Fresh ranks after this many types: each check's init_parallel makes new gloo groups, whose
+# threads pile up in long-lived ranks (thousands after the plans table) until checks hang.
+TYPES_PER_POOL = 8
 
 
 def _run(check: str, model_type: str, plan=None) -> str:
@@ -41,7 +44,9 @@ def _run(check: str, model_type: str, plan=None) -> str:
 def _first_line(error: str) -> str:
     """The exception line of the first rank's traceback (what a reader needs to know)."""
     lines = [line for line in error.splitlines() if line.strip()]
-    for line in lines:
+    for i, line in enumerate(lines):
+        if line.rstrip().endswith(":") and i + 1 < len(lines):  # the message starts on the next line
+            line = f"{line.rstrip()} {lines[i + 1].strip()}"
         if line.startswith(("AssertionError", "torchpp", "RuntimeError", "ValueError", "TypeError", "KeyError",
                             "AttributeError", "IndexError", "NotImplementedError", "PlanError")) or ": " in line and \
                 line.split(":")[0].endswith(("Error", "Exception")):
@@ -55,7 +60,9 @@ def sweep(types, pool_of, plan=None, rows_path=None):
     from torchpp.testing.tiny_models import UNBUILDABLE
 
     rows = []
-    for model_type in types:
+    for done, model_type in enumerate(types):
+        if done and done % TYPES_PER_POOL == 0:
+            pool_of.close()
         row = {"type": model_type, "table": "auto" if plan == "auto" else "plans"}
         if model_type in UNBUILDABLE:
             row["tp"] = row["pp"] = f"not built: {UNBUILDABLE[model_type]}"
@@ -105,13 +112,37 @@ def _excepted(row) -> bool:
     return any(row[key].startswith(("not built", "not pipelined")) for key in ("tp", "pp"))
 
 
-def write_table(rows, path: str, seconds: float) -> None:
+def _minutes(rows) -> float:
+    return sum(row.get("tp_s", 0) + row.get("pp_s", 0) for row in rows) / 60
+
+
+def _exception_lines(rows) -> list:
+    """One line per excepted type: which check it skips and why."""
+    lines = []
+    for row in sorted(rows, key=lambda r: r["type"]):
+        skipped = [key for key in ("tp", "pp") if row[key].startswith(("not built", "not pipelined"))]
+        reason = row[skipped[0]]
+        lines.append(f"- `{row['type']}` ({' and '.join(k + '=2' for k in skipped)} {reason.split(':')[0]}): "
+                     f"{reason.split(': ', 1)[1]}" + ("; it passes tp=2" if skipped == ["pp"] and row["tp"] == "pass"
+                                                      else ""))
+    return lines
+
+
+def _not_run_lines(done, every) -> list:
+    """The types of a table the kept rows lack (a sweep cut short), named."""
+    missing = sorted(set(every) - set(done))
+    return ["", f"Not run yet ({len(missing)} of {len(every)} types): " + ", ".join(missing) + "."] if missing else []
+
+
+def write_table(rows, path: str) -> None:
+    """docs/models.md from the rows, with each table's summed check times."""
     import torch
     import transformers
 
     plans = [r for r in rows if r.get("table", "plans") == "plans"]
     auto = [r for r in rows if r.get("table") == "auto"]
     exceptions = [r for r in plans if _excepted(r)]
+    failing = [r for r in plans if not _excepted(r) and not (r["tp"] == "pass" and r["pp"] == "pass")]
     lines = [
         "# Models: the plan-driven wrapping of every transformers type with plans",
         "",
@@ -122,22 +153,27 @@ def write_table(rows, path: str, seconds: float) -> None:
         "every gradient and one SGD step with the unwrapped model (rtol 1e-9). A failure shows its error.",
         "",
         f"transformers {transformers.__version__}, torch {torch.__version__}: **{_passing(plans)} of {len(plans)} types "
-        f"pass both**; {len(exceptions)} are exceptions, each with its reason in its row: \"not built\" (its forward",
-        "takes no token ids, or transformers itself cannot run it on them) or \"not pipelined\" (transformers itself",
-        f"cannot pipeline it). Sweep time {seconds / 60:.1f} min (summed check times) on this shared 2-core machine.",
+        f"pass both**; {len(failing) or 'none'} fail{'s' if len(failing) < 2 else ''}; {len(exceptions)} are exceptions, each because its forward takes no token",
+        "ids or transformers itself cannot run (or pipeline) it:",
+        "",
+        *_exception_lines(exceptions),
+        "",
+        f"Sweep time {_minutes(plans):.1f} min for this table (summed check times, 2 spawned gloo ranks) on this shared",
+        "2-core machine.",
         "",
         "    python bench/model_sweep.py",
         "",
         "What lets the newer families wrap, each a mechanism rather than a family's code",
-        "(`tests/distributed/test_model_mechanisms.py` checks each on a small family, and Gemma 4, DeepSeek-V4 and",
-        "Mistral Large 4 at tp=2 and at pp=2 under zb-h1 and interleaved-1f1b):",
+        "(`tests/distributed/test_model_mechanisms.py` checks each on a small family, and Gemma 4 (text and unified),",
+        "DeepSeek-V4 and Mistral Large 4 at tp=2 and at pp=2 under zb-h1 and interleaved-1f1b):",
         "",
         "- per-layer configs (transformers' heterogeneous configs: Gemma 4, DiffusionGemma, dots3): head counts and",
         "  head_dim are read per layer when sharding;",
         "- a traced forward (`torchpp.models.run_order`) tells which modules run before and after the layers, whatever",
         "  order they were registered in (T5Gemma's final norm, Phi-4's and Gemma 3n's embeddings), and which feed every",
         "  layer (per-layer embeddings, a learned rotary scale): those stay on every pipeline rank, their gradients",
-        "  summed over the pipeline;",
+        "  summed over the pipeline; so an encoder-decoder-shaped model's tied embedding and head (T5Gemma 2's text",
+        "  model, its final norm registered before the layers) land on the first and last stages, gradients summed;",
         "- what travels between stages besides the hidden states: the token ids (DeepSeek-V4's hash routing, Higgs",
         "  audio's audio-token masks), extra layer outputs (Mistral Large 4's and GLM-MoE-DSA's top-k indices) and what",
         "  layers leave for later ones (Gemma 3n's shared key/value states);",
@@ -161,7 +197,10 @@ def write_table(rows, path: str, seconds: float) -> None:
             "by columns, the writer by rows; the rest stays replicated), checked as above. A failure shows the error:",
             "where the rule cannot decide, it names the module.",
             "",
-            f"**{_passing(auto)} of {len(auto)} types pass both.**",
+            f"**{_passing(auto)} of {len(auto)} types pass both**; sweep time {_minutes(auto):.1f} min (summed check "
+            "times). Each failure shows its error as it is: where the rule cannot decide (PlanError naming the module), a "
+            "tiny model transformers itself cannot build or run, or a wrapping bug not yet fixed.",
+            *_not_run_lines([r["type"] for r in auto], auto_types()),
             "",
             "    python bench/model_sweep.py --auto",
             "",
@@ -203,13 +242,11 @@ def main() -> None:
 
     if args.from_rows:
         rows = {}
-        seconds = 0.0
         for path in sorted({p for pattern in args.from_rows for p in glob.glob(pattern)}):
             for line in open(path):
                 row = json.loads(line)
                 rows[(row["table"], row["type"])] = row  # a later run of a type replaces an earlier one
-        seconds = sum(row.get("tp_s", 0) + row.get("pp_s", 0) for row in rows.values())
-        write_table(list(rows.values()), args.out, seconds)
+        write_table(list(rows.values()), args.out)
         print(f"wrote {args.out} from {len(rows)} rows")
         return
     from harness import RankPools
@@ -234,7 +271,7 @@ def main() -> None:
     seconds = time.monotonic() - start
     print(f"{_passing(rows)} of {len(rows)} types pass at tp=2 and pp=2 ({seconds / 60:.1f} min)")
     if not args.types and not args.slice and not args.auto:
-        write_table(rows, args.out, seconds)
+        write_table(rows, args.out)
         print(f"wrote {args.out}")
 
 

@@ -1,11 +1,13 @@
 """The mechanisms behind the transformers types that once failed to wrap, each on a small family
-that shows it, and the flagship families (Gemma 4, DeepSeek-V4, Mistral Large 4) at tp=2 and at
-pp=2 under zb-h1 and interleaved-1f1b. All on 2 gloo ranks in float64 against the unwrapped
+that shows it, and the flagship families (Gemma 4 and Gemma 4 unified, DeepSeek-V4, Mistral Large 4)
+at tp=2 and at pp=2 under zb-h1 and interleaved-1f1b. All on 2 gloo ranks in float64 against the unwrapped
 model (torchpp.testing.model_checks: loss, logits, every gradient, one SGD step).
 
 Pipeline (pp=2):
 - modules run in another order than registered (T5Gemma's final norm registered before the
   layers, Phi-4's embedding after them), found by a traced forward (torchpp.models.run_order);
+- a tied input and output embedding in an encoder-decoder-shaped model (T5Gemma 2's text model: its
+  final norm registered before the layers), its gradients summed between first and last stage;
 - trainable modules every stage runs (Gemma 3n's per-layer embeddings): kept on every pipeline
   rank, their gradients summed over the pipeline; and what layers leave in a shared mapping for
   later layers (its shared key/value states) travels to the next stage;
@@ -40,6 +42,7 @@ def run_checks(cases):
 PP_SCHEDULES = [("pp", dict(schedule="zb-h1")), ("pp", dict(schedule="interleaved-1f1b", n_microbatches=4))]
 MECHANISMS = {
     "run order differs from registration": [("pp", "t5_gemma_module", {}), ("pp", "phi4_multimodal", {})],
+    "tied embedding, encoder-decoder shaped": [("pp", "t5gemma2_text", {})],
     "modules every stage runs, state left for later layers": [("pp", "gemma3n_text", {})],
     "layers reading token ids": [("pp", "higgs_audio_v2", {})],
     "layers returning extra outputs": [("pp", "glm_moe_dsa", {})],
@@ -49,7 +52,7 @@ MECHANISMS = {
     "per-head quantities": [("tp", "doge", {})],
     "float32 inside float64": [("tp", "bailing_hybrid", {}), ("tp", "deepseek_ocr2_text", {})],
 }
-FLAGSHIPS = ("gemma4_text", "deepseek_v4", "mistral_large4_text")
+FLAGSHIPS = ("gemma4_text", "gemma4_unified_text", "deepseek_v4", "mistral_large4_text")
 
 
 @pytest.mark.parametrize("mechanism", sorted(MECHANISMS))

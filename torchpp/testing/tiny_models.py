@@ -39,7 +39,15 @@ SIZES = {
     "sliding_window": 8, "sliding_window_size": 8, "attention_window_size": 8, "keep_window_size": 8, "max_window_layers": 2,
     "first_k_dense_replace": 1, "moe_layer_freq": 1, "decoder_sparse_step": 1,
     "query_pre_attn_scalar": 16, "rotary_dim": 8, "partial_rotary_dim": 8,
+    "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 97,  # a byte-latent model's (BLT) sub-configs
+    # state-space (Mamba) layers: their scan pads the sequence to a whole chunk, so a default
+    # chunk of 256 and state of 256 make a 16-token step take minutes on a CPU.
+    "mamba_n_heads": 4, "mamba_num_heads": 4, "n_mamba_heads": 4, "mamba_d_state": 16, "ssm_state_size": 16,
+    "state_size": 16, "mamba_chunk_size": 8, "chunk_size": 8, "n_groups": 2, "mamba_dt_rank": 8, "time_step_rank": 8,
 }
+# Mamba heads x head size = expand x hidden size (the scan's inner width): (heads, head size) keys.
+SSM_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim"), ("n_mamba_heads", "mamba_headdim"),
+             ("num_heads", "head_dim"))
 # Attribute -> (value, attributes any of which makes it needed): left None by some defaults.
 EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 NEEDED = {"num_experts_per_tok": (2, EXPERT_COUNTS), "top_k_experts": (2, EXPERT_COUNTS),
@@ -62,6 +70,8 @@ OVERRIDES: Dict[str, tuple] = {
                             "its rotary embedding wants rope parameters per layer type (the default has none)"),
     "deepseek_v4": ({"compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 8}},
                     "its heavily compressed layers pool 128 tokens: 8 lets 16 tokens reach the compressor"),
+    "zamba": ({"layers_block_type": ["linear_attention", "hybrid"] * 2},
+              "its hybrid layers share one attention block, tied from the first to the others: it needs two"),
     "hrm_text": ({"num_hidden_layers": 2}, "num_hidden_layers counts the layers of each of its two stacks"),
     "higgs_audio_v2": ({"num_codebooks": 2, "codebook_size": 32, "audio_stream_bos_id": 32, "audio_stream_eos_id": 33},
                        "its audio embedding and head are num_codebooks x codebook_size rows"),
@@ -80,6 +90,8 @@ UNBUILDABLE: Dict[str, str] = {
     "qwen3_omni_moe_talker_text": "its forward embeds input_ids with embed_tokens, which it never builds "
                                   "(it builds codec_embedding): transformers 5.24 modeling bug",
     "t5gemma2_decoder": "a cross-attention decoder: its forward needs encoder_hidden_states",
+    "dbrx": "its attention reads attn_config.rope_theta, which DbrxAttentionConfig no longer has (its default "
+            "config included): transformers 5.24 cannot build it",
     "voxtral_realtime_text": "its decoder layers scale by a time-conditioning embedding t_cond that token ids "
                              "do not provide (the audio model passes it)",
 }
@@ -161,6 +173,7 @@ def tiny_overrides(defaults: Dict, num_layers: int = NUM_LAYERS, aliases: Option
             out[key] = SIZES["vocab_size"] - 1 - TOKEN_IDS.index(key)
         elif key in TOKEN_IDS and isinstance(value, list):
             out[key] = [v if v < SIZES["vocab_size"] else SIZES["vocab_size"] - 1 for v in value]
+    _fit_ssm_width(defaults, out)
     if "num_key_value_heads" in out and out.get("num_attention_heads", 4) < out["num_key_value_heads"]:
         out["num_key_value_heads"] = out["num_attention_heads"]
     if "kv_lora_rank" in defaults and "num_key_value_heads" in out:  # MLA: one latent expands to every head
@@ -178,6 +191,20 @@ def tiny_overrides(defaults: Dict, num_layers: int = NUM_LAYERS, aliases: Option
     if defaults.get("per_layer_config") and isinstance(defaults.get("layer_types"), list):
         out["per_layer_config"] = _tiny_per_layer(defaults, out)
     return out
+
+
+def _fit_ssm_width(defaults: Dict, out: Dict) -> None:
+    """Mamba head sizes (and Falcon-H1's ``mamba_d_ssm``) that make heads x head size the tiny
+    expand x hidden size, as the configs' validators require."""
+    expand = defaults.get("mamba_expand", defaults.get("expand"))
+    hidden = out.get("hidden_size")
+    if not isinstance(expand, int) or not hidden:
+        return
+    for heads, size in SSM_HEADS:
+        if isinstance(defaults.get(heads), int) and isinstance(defaults.get(size), int):
+            out[size] = expand * hidden // out.get(heads, defaults[heads])
+            if "mamba_d_ssm" in defaults:
+                out["mamba_d_ssm"] = expand * hidden
 
 
 def _tiny_per_layer(defaults: Dict, out: Dict) -> Dict:
