@@ -62,7 +62,7 @@ def test_traced_stages_keep_the_models_parameter_names(ranks):
     assert per_rank[1] == ["layers.1.fc.bias", "layers.1.fc.weight"], per_rank
 
 
-OWN = ["subclass", "csv", "csv_comms"]
+OWN = ["subclass", "csv", "csv_comms", "comms_attr"]
 
 
 @pytest.fixture(scope="module")

@@ -207,17 +207,20 @@ class VShaped(pp.PipelineScheduleMulti):
 
 def own_schedules(pp_group, how):
     """A schedule of one's own runs on torchpp's executor: a PipelineScheduleMulti subclass
-    ("subclass"), or a _PipelineScheduleRuntime loading a CSV torch-style ("csv",
-    "csv_comms": written with SEND/RECV by another schedule's _dump_csv)."""
+    ("subclass"), a _PipelineScheduleRuntime loading a CSV torch-style ("csv", "csv_comms":
+    written with SEND/RECV by another schedule's _dump_csv), or a _PipelineScheduleRuntime
+    subclass assigning pipeline_order_with_comms ("comms_attr", two steps without zero_grad)."""
     rank = pp_group.rank()
     net, x, y = _net(4), *_data()
     reference = copy.deepcopy(net)
     mine = [rank, 3 - rank]
     stages = _stages(net, mine, pp_group)
-    m = 2 if how == "subclass" else M
+    m = 2 if how in ("subclass", "comms_attr") else M
     if how == "subclass":
         sched = VShaped(stages, m, loss_fn=F.mse_loss)
         assert sched.stage_index_to_group_rank == {0: 0, 1: 1, 2: 1, 3: 0}
+    elif how == "comms_attr":
+        sched = VShapedWithComms(stages, m, loss_fn=F.mse_loss)
     else:
         source = pp.ScheduleZBVZeroBubble(_stages(copy.deepcopy(net), mine, pp_group), m, loss_fn=F.mse_loss)
         path = os.path.join(tempfile.gettempdir(), f"torchpp_own_{os.getpid()}.csv")
@@ -227,15 +230,32 @@ def own_schedules(pp_group, how):
         os.remove(path)
         assert sched.pipeline_order == source.pipeline_order
     losses = []
+    accumulate = how == "comms_attr"  # no zero_grad between steps: .grad sums both, as in torch
     for _ in range(2):  # the second step reuses the executor built by the first
-        net.zero_grad()
+        if not accumulate:
+            net.zero_grad()
         sched.step(*([x] if rank == 0 else []), target=y if rank == 0 else None, losses=losses)
-    F.mse_loss(reference(x), y).backward()
+    for _ in range(2 if accumulate else 1):
+        F.mse_loss(reference(x), y).backward()
     _assert_grads(net, reference, mine, how)
     if rank == 0:
         want = [F.mse_loss(o, t) for o, t in zip(reference(x).chunk(m), y.chunk(m))]
         torch.testing.assert_close(torch.stack(losses), torch.stack(want).detach(), **TOL)
     return len(losses)
+
+
+class VShapedWithComms(torch_like._PipelineScheduleRuntime):
+    """torch's other way to a schedule of one's own: a _PipelineScheduleRuntime subclass that
+    assigns pipeline_order_with_comms, SEND/RECV included (the V of VShaped, full backward)."""
+
+    def __init__(self, stages, n_microbatches, loss_fn=None):
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn)
+        self.pipeline_order_with_comms = {
+            0: ["0F0", "0F1", "0SEND_F0", "0SEND_F1", "3RECV_F0", "3RECV_F1", "3F0", "3F1", "3B0", "3B1",
+                "3SEND_B0", "3SEND_B1", "0RECV_B0", "0RECV_B1", "0B0", "0B1"],
+            1: ["1RECV_F0", "1RECV_F1", "1F0", "1F1", "2F0", "2F1", "2SEND_F0", "2SEND_F1", "2RECV_B0", "2RECV_B1",
+                "2B0", "2B1", "1B0", "1B1", "1SEND_B0", "1SEND_B1"],
+        }
 
 
 def single_stage_on_one_rank(pp_group, class_name):
