@@ -71,6 +71,23 @@ def test_statistics_across_a_split_width_gather_that_group(model_type, gathered,
     assert not any(n.startswith(gathered + ".") and s == "replicated_with_grad_allreduce" for n, s in plan.items())
 
 
+
+def test_a_slice_over_a_lone_key_value_head_is_not_a_statistic():
+    """Rotary slices each head's features in halves; with one key/value head k_proj's whole
+    width is that head, and the slice must not read as a reduction (it once gathered k/v
+    instead of copying the head, so a checkpoint's shards no longer matched)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from torchpp.models.split_checks import gather_where_width_statistics
+    from torchpp.tensor_parallel.plan import resolve_plan
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=1))
+    resolved = resolve_plan(model, hf_tp_plan(model)[0], False)
+    plan = gather_where_width_statistics(model, resolved, 61)
+    assert plan == resolved, {n: (resolved.get(n), s) for n, s in plan.items() if resolved.get(n) != s}
+
 def test_auto_plan_splits_readers_and_writers():
     plan, layout = auto_plans(tiny_model("biogpt"))
     assert layout.layers == find_stack(tiny_model("biogpt")) == "biogpt.layers"
