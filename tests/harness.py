@@ -45,7 +45,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, backend:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    import torchpp  # noqa: F401
+    import torchpp
 
     while True:
         task = tasks.get()
@@ -53,7 +53,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, backend:
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, "ok", fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            torchpp.destroy_parallel()  # the test's groups (each holds threads) go before the next test's
+            results.put((rank, "ok", value))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()

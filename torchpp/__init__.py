@@ -8,4 +8,4 @@ from torchpp import _C  # noqa: F401  (registers torch.ops.torchpp)
 
 __version__ = "0.1.0"
 
-from torchpp.parallel.groups import get_parallel_state, init_parallel  # noqa: E402,F401
+from torchpp.parallel.groups import destroy_parallel, get_parallel_state, init_parallel  # noqa: E402,F401

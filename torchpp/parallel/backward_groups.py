@@ -40,6 +40,7 @@ def backward_twins(state: ParallelState) -> Dict[str, dist.ProcessGroup]:
             continue
         enumeration = sorted({tuple(ranks) for ranks in everyone})
         twin, _ = dist.new_subgroups_by_enumeration([list(ranks) for ranks in enumeration])
+        state.owned_groups.append(twin)  # destroy_parallel frees it
         _C.set_backward_group(group.group_name, twin.group_name)
         made[group.group_name] = twin
     object.__setattr__(state, "_backward_twins", made)

@@ -57,6 +57,9 @@ class ParallelState:
     ep_rank: int = 0
     ep_group: Optional[dist.ProcessGroup] = None
     expert_dp_group: Optional[dist.ProcessGroup] = None
+    # Groups made for this layout after init_parallel (backward twins, pipeline end ranks):
+    # destroy_parallel frees them with the rest.
+    owned_groups: List[dist.ProcessGroup] = field(default_factory=list, repr=False)
 
     @property
     def is_first_stage(self) -> bool:
@@ -241,6 +244,41 @@ def init_parallel(
         ep=ep, ep_rank=ep_rank, ep_group=ep_group, expert_dp_group=expert_dp_group,
     )
     return _STATE
+
+
+def new_layout_group(state: ParallelState, ranks: Optional[List[int]] = None, **kwargs):
+    """``dist.new_group(ranks, **kwargs)``, owned by ``state``'s layout: destroy_parallel frees it.
+    Collective like new_group: every rank creates every group, in the same order."""
+    group = dist.new_group(ranks, **kwargs)
+    if isinstance(group, dist.ProcessGroup):  # not GroupMember.NON_GROUP_MEMBER
+        state.owned_groups.append(group)
+    return group
+
+
+def destroy_parallel() -> None:
+    """Destroys the process groups of the current layout: init_parallel's and those torchpp made
+    for it since (backward twins, pipeline end-rank groups); torch.distributed's default group
+    stays. Call it on every rank before another init_parallel in the same process (as Megatron's
+    destroy_model_parallel): each gloo group keeps threads and sockets alive until destroyed.
+    Models wrapped for the layout cannot communicate afterwards; get_parallel_state() raises."""
+    global _STATE
+    from torchpp import _C  # the ops' registry of backward twins names groups being destroyed
+
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
+        return
+    for name in getattr(state, "_backward_twins", {}):
+        _C.set_backward_group(name, "")
+    default = dist.distributed_c10d._get_default_group()
+    groups = [state.mesh.get_group(dim) for dim in MESH_DIMS]
+    groups += [state.model_parallel_group, state.dp_cp_group, state.ep_group, state.expert_dp_group]
+    groups += state.owned_groups
+    done = set()
+    for group in groups:  # the same order on every rank
+        if isinstance(group, dist.ProcessGroup) and group is not default and group.group_name not in done:
+            done.add(group.group_name)
+            dist.destroy_process_group(group)
+    state.owned_groups.clear()
 
 
 def get_parallel_state() -> ParallelState:

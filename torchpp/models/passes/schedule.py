@@ -12,7 +12,7 @@ from torchpp.models.parallel_config import PipelineOptions
 from torchpp.models.passes.state import WrapState
 from torchpp.models.plans import text_config
 from torchpp.models.stages import ModelStage, get_submodule
-from torchpp.parallel.groups import ParallelState, rank_grid
+from torchpp.parallel.groups import ParallelState, new_layout_group, rank_grid
 
 
 def apply_schedule(model: nn.Module, state: WrapState, options: PipelineOptions) -> nn.Module:
@@ -98,7 +98,7 @@ def end_ranks_group(state: ParallelState, first_rank: int, last_rank: int) -> Op
     for d in range(state.dp):
         for t in range(state.tp):  # every rank creates every group, in the same order
             ranks = [int(grid[first_rank, d, t]), int(grid[last_rank, d, t])]
-            group = dist.new_group(ranks)
+            group = new_layout_group(state, ranks)
             if dist.get_rank() in ranks:
                 mine = group
     return mine
