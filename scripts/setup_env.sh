@@ -58,7 +58,8 @@ if ! deps_ok "$CORE_DEPS, $TRAINING_DEPS"; then
 print('transformers', transformers.__version__)" >&2 || true
       echo "torchpp: dependencies missing after installing the carried wheels (above)" >&2; exit 1; }
     # Offline, the training job's extras are optional: what needs them says so when it runs.
-    "$PYTHON" -c "import $TRAINING_DEPS" 2>/dev/null || echo "torchpp: offline without some of $TRAINING_DEPS (carry their wheels for the training job and checkpoint checksums)" >&2
+    missing="$("$PYTHON" -c "import importlib.util as u; print(' '.join(m for m in '$TRAINING_DEPS'.split(', ') if u.find_spec(m) is None))")"
+    [ -z "$missing" ] || echo "torchpp: offline without $missing (the training job's extras: carry their wheels to use them)" >&2
   else
     "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" tqdm matplotlib \
       ninja pytest pytest-timeout datasets tensorboard crc32c

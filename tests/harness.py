@@ -54,7 +54,8 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, backend:
         fn, args, kwargs = task
         try:
             value = fn(*args, **kwargs)
-            torchpp.destroy_parallel()  # the test's groups (each holds threads) go before the next test's
+            if backend == "gloo":  # the test's groups (each holds threads) go before the next test's;
+                torchpp.destroy_parallel()  # under NCCL tests/gpu checks destroy_parallel on its own first
             results.put((rank, "ok", value))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, "error", traceback.format_exc()))

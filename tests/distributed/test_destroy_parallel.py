@@ -23,11 +23,11 @@ def _layout(i: int) -> torchpp.parallel.ParallelState:
     return state
 
 
-def check_layouts_free_their_groups(cycles: int):
+def check_layouts_free_their_groups(cycles: int, device: str = "cpu"):
     baseline = None  # after the first layout: its collectives start threads that stay (gloo's, torch's)
     for i in range(cycles):
         state = _layout(i)
-        total = torch.ones(1)
+        total = torch.ones(1, device=device)
         dist.all_reduce(total, group=state.tp_group if state.tp > 1 else state.pp_group)
         assert total.item() == 2.0
         torchpp.destroy_parallel()
@@ -37,7 +37,7 @@ def check_layouts_free_their_groups(cycles: int):
     grown = _threads() - baseline
     # Each layout makes 7+ gloo groups with threads of their own; kept alive, 10 layouts would add ~100.
     assert grown <= 2, f"{grown} threads more after {cycles} layouts: their groups were not destroyed"
-    total = torch.ones(1)
+    total = torch.ones(1, device=device)
     dist.all_reduce(total)  # the default group is untouched
     assert total.item() == 2.0
     torchpp.destroy_parallel()  # nothing to destroy: no error

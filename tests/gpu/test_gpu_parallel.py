@@ -1,7 +1,9 @@
 """Model-level parallelism on the GPU over NCCL, float32 against the unwrapped model in one
 process on the same GPU (torchpp.testing checks, rtol 1e-5): context parallelism at cp=2 (ring
 and all-gather attention, both layouts), expert parallelism at ep=2 (Mixtral), ZeRO-3 at dp=2,
-and a DCP checkpoint saved at tp=2 that reloads at tp=1 x dp=2 and continues the same run."""
+a DCP checkpoint saved at tp=2 that reloads at tp=1 x dp=2 and continues the same run, and
+destroy_parallel freeing NCCL layouts (the CPU suite's harness destroys each test's layout; the
+NCCL pool leaves that to this test)."""
 import torch
 
 from test_hf_checkpoint import _dcp_steps
@@ -37,3 +39,9 @@ def test_dcp_save_at_tp2_reload_at_dp2(gpu_ranks, tmp_path):
     assert abs(loaded[0] - saved[0]) <= 1e-5 * abs(saved[0]), (saved, loaded)
     other = gpu_ranks(2).run(_dcp_steps, "llama", 2, 1, root, load=True, restore=False, **F32, timeout=TIMEOUT_S)
     assert abs(other[0] - saved[0]) > 1e-4 * abs(saved[0]), "the load changed nothing the test can see"
+
+
+def test_destroy_parallel_frees_nccl_layouts(gpu_ranks, device):
+    from test_destroy_parallel import check_layouts_free_their_groups
+
+    gpu_ranks(2).run(check_layouts_free_their_groups, 4, device.type, timeout=TIMEOUT_S)
