@@ -53,6 +53,11 @@ EOF
   echo "cores $(nproc), MAX_JOBS $MAX_JOBS"
 } | tee "$RESULTS/environment.txt"
 
+# A rerun of some parts on a fresh machine (the previous one was given back) still needs the build.
+if ! wants setup && ! PYTHONPATH="$ROOT:$ROOT/build/site" python3 -c "import torchpp._C" 2>/dev/null; then
+  echo "torchpp is not built on this machine: running setup first"
+  PARTS="setup,$PARTS"
+fi
 if wants setup; then
   # shellcheck disable=SC1091
   run_part "setup and build" 175 bash -c 'source scripts/setup_env.sh && python3 -c "import torchpp, transformers; \

@@ -50,9 +50,12 @@ assert transformers.__version__ == '$TRANSFORMERS_VERSION', transformers.__versi
 }
 if ! deps_ok "$CORE_DEPS, $TRAINING_DEPS"; then
   if [ "$OFFLINE" = 1 ]; then
-    if ls "$CARRIED"/*.whl >/dev/null 2>&1; then
+    # Once per set of carried wheels (the training extras may stay missing: no reinstall for them).
+    carried="$(cd "$CARRIED" && ls -1 ./*.whl 2>/dev/null || true)"
+    if [ -n "$carried" ] && [ "$carried" != "$(cat "$SITE/.carried" 2>/dev/null)" ]; then
       "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "$CARRIED"/*.whl
+      echo "$carried" >"$SITE/.carried"
     fi
     deps_ok "$CORE_DEPS" || { "$PYTHON" -c "import $CORE_DEPS
 print('transformers', transformers.__version__)" >&2 || true
