@@ -19,7 +19,8 @@ from torch import nn
 
 from torchpp.models.autograd_walk import walk_back
 
-COLUMN_STYLES = ("colwise",)
+# Fused readers split part by part feed a row split too (a group that gathers splits them plainly).
+COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise")
 ROW_STYLES = ("rowwise",)
 TRACE_TOKENS = 8
 # Autograd nodes that combine features along a dimension (not softmax: within a head, over keys).
