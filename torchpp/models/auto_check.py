@@ -134,7 +134,9 @@ def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) 
     hook = layer.get_submodule(writer).register_forward_hook(
         lambda module, inputs, output: seen.append(output) if not seen else None)
     try:
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type), \
+                torch.enable_grad():
             output = layer(*args, **kwargs)
     finally:
         hook.remove()

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import walk_back
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.styles import PlanError, TPContext
@@ -78,8 +78,8 @@ def auto_plans(model: nn.Module, ctx: Optional[TPContext] = None) -> Tuple[Dict[
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % vocab).unsqueeze(0)
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
-                                                        device_type=device.type):
+        with torch.enable_grad(), leaving_no_history(model), torch.random.fork_rng(
+                devices=[] if device.type == "cpu" else [device], device_type=device.type):
             model(input_ids=ids, use_cache=False)
     finally:
         for trace in traces:
