@@ -11,6 +11,7 @@ nothing.
 from __future__ import annotations
 
 import copy
+import types
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -75,6 +76,22 @@ def _first_that_holds(layer, call, group: Dict[str, str], ctx) -> Tuple[Optional
 def _get(layer: nn.Module, name: str):
     parent, _, leaf = name.rpartition(".")
     return getattr(layer.get_submodule(parent) if parent else layer, leaf)
+
+
+def sized_context(model: nn.Module, tp: int) -> TPContext:
+    """A TP context of ``tp`` ranks and ``model``'s head counts, with no process group: enough to
+    try splits in this process (``auto_plans(model, tp=...)`` without ranks)."""
+    from torchpp.models.passes.resolve import tp_context
+
+    return tp_context(model, types.SimpleNamespace(tp_group=_Sized(tp)), False, False)
+
+
+class _Sized:
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
 
 
 def _writer(group: Dict[str, str]) -> str:

@@ -54,14 +54,16 @@ def find_stack(model: nn.Module) -> str:
     return best[1]
 
 
-def auto_plans(model: nn.Module, ctx: Optional[TPContext] = None) -> Tuple[Dict[str, str], PipelineLayout]:
+def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
+               ) -> Tuple[Dict[str, str], PipelineLayout]:
     """(TP plan, pipeline layout) of ``model`` derived as the module docstring says.
 
     Args:
         model: a transformers model with weights (it runs once on a few tokens).
-        ctx: the TP context the plan is for (its size and head counts): each group the rule
-            splits is first tried on one layer in this process (``torchpp.models.auto_check``) and
-            stays whole where the split would fail or change the layer's result. None: not tried.
+        tp: the TP size the plan is for: each group the rule splits is first tried on one layer
+            in this process (``torchpp.models.auto_check``) and stays whole where the split would
+            fail or change the layer's result. 1: nothing is tried.
+        ctx: the TP context (size and head counts) to try, where the caller has one (parallelize).
 
     Raises:
         PlanError: naming the module where the rule cannot decide (or why no trace ran).
@@ -86,10 +88,10 @@ def auto_plans(model: nn.Module, ctx: Optional[TPContext] = None) -> Tuple[Dict[
             trace.remove()
     groups = [trace.decide() for trace in traces]
     whole: Dict[str, str] = {}  # writer -> why its group stays whole
-    if ctx is not None and ctx.size > 1:
-        from torchpp.models.auto_check import keep_groups_that_split
+    if ctx is not None or tp > 1:
+        from torchpp.models.auto_check import keep_groups_that_split, sized_context
 
-        groups, whole = keep_groups_that_split(traces, groups, ctx)
+        groups, whole = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
     plan: Dict[str, str] = {name: style for layer_groups in groups for group in layer_groups
                             for name, style in group.items()}
     if not plan:

@@ -96,7 +96,7 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
         from torchpp.models.auto_plan import auto_plans, divide_head_attributes
 
         ps = state.parallel  # each split the rule picks is first tried at this tp
-        state.tp_plan, state.layout = auto_plans(model, tp_context(model, ps, False, False) if ps.tp > 1 else None)
+        state.tp_plan, state.layout = auto_plans(model, ps.tp, tp_context(model, ps, False, False) if ps.tp > 1 else None)
         state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
     elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)
