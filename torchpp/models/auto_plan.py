@@ -15,6 +15,8 @@ split by columns, those writing back into it by rows).
   projections) is a case the rule cannot decide: ``PlanError`` names it.
 - Attention modules that count their heads in attributes (``num_heads``, ``embed_dim``) get
   this rank's counts after the split (as DeepSpeed's AutoTP does).
+- Given the TP size, each group is first tried on one layer in this process
+  (``torchpp.models.auto_check``): one whose split fails or changes the result stays whole.
 
 Embeddings and the output layer stay replicated. ``auto_plans`` logs the plan it chose (INFO
 on the ``torchpp`` logger) and returns it; ``describe_plan`` formats it.
