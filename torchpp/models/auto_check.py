@@ -105,7 +105,10 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
     if group[writer] not in ROW_STYLES or call is None:
         return None  # a gathered group computes whole activations: nothing the split could change
     args, kwargs = _detached(call)
-    expected = _writer_output(_copy(layer), writer, args, kwargs, backward=False)
+    try:
+        expected = _writer_output(_copy(layer), writer, args, kwargs, backward=False)
+    except Exception:  # noqa: BLE001 - a layer that cannot be called again here is split untried, as before
+        return None
     total = None
     for rank in range(ctx.size):
         local = _copy(layer)
