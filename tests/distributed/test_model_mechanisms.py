@@ -22,7 +22,11 @@ Tensor parallelism (tp=2):
   whose inputs need their gradients summed (Inkling);
 - per-head quantities of split attention (Doge's dynamic mask);
 - modules transformers keeps in float32, and float32 softmax as a tensor method, inside a
-  float64 comparison (Bailing hybrid, DeepSeek-OCR 2).
+  float64 comparison (Bailing hybrid, DeepSeek-OCR 2);
+- plan="auto": groups whose split would fail or change the result stay whole (Falcon-H1's mamba
+  mixer), fused parts a view cuts split part by part (Moshi's fc1), traced forwards leave no
+  autograd history on modules (RecurrentGemma's recurrent state); a router sampling in training
+  (PhiMoE) draws the same in the wrapped model as in the reference.
 """
 import pytest
 
@@ -51,6 +55,11 @@ MECHANISMS = {
     "fused and shared experts": [("tp", "inkling_text", {})],
     "per-head quantities": [("tp", "doge", {})],
     "float32 inside float64": [("tp", "bailing_hybrid", {}), ("tp", "deepseek_ocr2_text", {})],
+    # plan="auto" (torchpp.models.auto_check): a mixer cut by hard-coded sizes stays whole, a view's
+    # fused parts split part by part; a trace leaves no recurrent state behind.
+    "auto plans tried before splitting": [("tp", "falcon_h1", {"plan": "auto"}), ("tp", "moshi", {"plan": "auto"}),
+                                          ("tp", "recurrent_gemma", {"plan": "auto"})],
+    "random draws in training": [("tp", "phimoe", {"plan": "auto"})],  # its router samples experts
 }
 FLAGSHIPS = ("gemma4_text", "gemma4_unified_text", "deepseek_v4", "mistral_large4_text")
 

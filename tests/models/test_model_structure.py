@@ -129,3 +129,37 @@ def test_loss_convention_is_read_from_the_model():
 
     assert model_shifts_labels(tiny_model("llama"), 97)  # token t predicts label t+1
     assert not model_shifts_labels(tiny_model("blenderbot"), 97)  # each token's own label
+
+
+def test_auto_plan_keeps_whole_the_groups_a_split_would_break():
+    # LFM3's short convolution mixes in_proj's output with a depthwise conv over its whole width:
+    # split over tp=2 it fails, so the mixer stays whole while its MLP still splits
+    # (torchpp.models.auto_check; Bamba's mamba mixer, cutting by hard-coded sizes, likewise).
+    plan, _ = auto_plans(tiny_model("lfm3"), tp=2)
+    assert not any(".conv." in name for name in plan), plan
+    assert plan["model.layers.*.feed_forward.w2"] == "rowwise"
+    assert "model.layers.0.conv.in_proj" in auto_plans(tiny_model("lfm3"))[0]  # tp=1: nothing tried
+
+
+def test_auto_plan_splits_parts_a_view_cuts_as_fused_parts():
+    # Moshi's fc1 output is viewed as (2, -1), gate and up: split plainly the ranks' sums differ.
+    plan, _ = auto_plans(tiny_model("moshi"), tp=2)
+    assert plan["model.layers.*.mlp.fc1"] == "packed_colwise" and plan["model.layers.*.mlp.fc2"] == "rowwise"
+
+
+def test_traced_forward_leaves_no_autograd_history_on_modules():
+    model = tiny_model("recurrent_gemma")  # its RG-LRU keeps its last recurrent state
+    auto_plans(model)
+    left = [name for name, module in model.named_modules() for value in vars(module).values()
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None]
+    assert not left, left
+
+
+def test_packed_readers_feed_a_row_split():
+    from torchpp.models.split_checks import gather_where_width_statistics
+    from torchpp.tensor_parallel.plan import resolve_plan
+
+    model = tiny_model("modernbert-decoder")  # mlp.Wi: [input; gate], chunked in two
+    plan, _ = auto_plans(model)
+    resolved = resolve_plan(model, plan, False)
+    assert gather_where_width_statistics(model, resolved, 97)["model.layers.0.mlp.Wo"] == "rowwise"

@@ -15,6 +15,8 @@ split by columns, those writing back into it by rows).
   projections) is a case the rule cannot decide: ``PlanError`` names it.
 - Attention modules that count their heads in attributes (``num_heads``, ``embed_dim``) get
   this rank's counts after the split (as DeepSpeed's AutoTP does).
+- Given the TP size, each group is first tried on one layer in this process
+  (``torchpp.models.auto_check``): one whose split fails or changes the result stays whole.
 
 Embeddings and the output layer stay replicated. ``auto_plans`` logs the plan it chose (INFO
 on the ``torchpp`` logger) and returns it; ``describe_plan`` formats it.
@@ -23,12 +25,12 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import walk_back
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.styles import PlanError, TPContext
@@ -54,8 +56,16 @@ def find_stack(model: nn.Module) -> str:
     return best[1]
 
 
-def auto_plans(model: nn.Module) -> Tuple[Dict[str, str], PipelineLayout]:
+def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
+               ) -> Tuple[Dict[str, str], PipelineLayout]:
     """(TP plan, pipeline layout) of ``model`` derived as the module docstring says.
+
+    Args:
+        model: a transformers model with weights (it runs once on a few tokens).
+        tp: the TP size the plan is for: each group the rule splits is first tried on one layer
+            in this process (``torchpp.models.auto_check``) and stays whole where the split would
+            fail or change the layer's result. 1: nothing is tried.
+        ctx: the TP context (size and head counts) to try, where the caller has one (parallelize).
 
     Raises:
         PlanError: naming the module where the rule cannot decide (or why no trace ran).
@@ -72,26 +82,34 @@ def auto_plans(model: nn.Module) -> Tuple[Dict[str, str], PipelineLayout]:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % vocab).unsqueeze(0)
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
-                                                        device_type=device.type):
+        with torch.enable_grad(), leaving_no_history(model), torch.random.fork_rng(
+                devices=[] if device.type == "cpu" else [device], device_type=device.type):
             model(input_ids=ids, use_cache=False)
     finally:
         for trace in traces:
             trace.remove()
-    plan: Dict[str, str] = {}
-    for trace in traces:
-        plan.update(trace.decide())
+    groups = [trace.decide() for trace in traces]
+    whole: Dict[str, str] = {}  # writer -> why its group stays whole
+    if ctx is not None or tp > 1:
+        from torchpp.models.auto_check import keep_groups_that_split, sized_context
+
+        groups, whole = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
+    plan: Dict[str, str] = {name: style for layer_groups in groups for group in layer_groups
+                            for name, style in group.items()}
     if not plan:
+        why = "".join(f"; {writer} stays whole: {reason}" for writer, reason in list(whole.items())[:2])
         raise PlanError(f"torchpp.parallelize(plan='auto'): no layer of {stack} has an nn.Linear reading its residual "
-                        f"stream that feeds one writing back into it: nothing to split; pass plan=")
-    plan = _as_globs(plan, stack, len(layers))
-    LOG.info("torchpp.parallelize(plan='auto') for %s:\n%s", type(model).__name__, describe_plan(plan, stack))
+                        f"stream that feeds one writing back into it{why}: nothing to split; pass plan=")
+    plan, whole = _as_globs(plan, stack, len(layers)), _as_globs(whole, stack, len(layers))
+    LOG.info("torchpp.parallelize(plan='auto') for %s:\n%s", type(model).__name__,
+             describe_plan(plan, stack, whole))
     return plan, layout_around(model, stack)
 
 
-def describe_plan(plan: Dict[str, str], stack: str) -> str:
-    """One line per entry, and the stack the pipeline cuts."""
+def describe_plan(plan: Dict[str, str], stack: str, whole: Optional[Dict[str, str]] = None) -> str:
+    """One line per entry, the groups kept whole and why, and the stack the pipeline cuts."""
     lines = [f"  {name}: {style}" for name, style in sorted(plan.items())]
+    lines += [f"  {writer} and its readers: whole ({reason})" for writer, reason in sorted((whole or {}).items())]
     return "\n".join(lines + [f"  pipeline stack: {stack}"])
 
 
@@ -176,6 +194,7 @@ class _LayerTrace:
 
     def __init__(self, layer: nn.Module, path: str, heads=()):
         self.path, self.heads = path, set(heads)
+        self.layer, self.call = layer, None
         self.input: Optional[torch.Tensor] = None
         self.output: Optional[torch.Tensor] = None
         self.linears: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -194,6 +213,7 @@ class _LayerTrace:
     def _enter(self, module, args, kwargs):
         if self.input is None:
             self.input = _first_tensor(list(args) + [kwargs.get("hidden_states")])
+            self.call = (args, kwargs)  # what the split check (auto_check) calls the layer with
 
     def _leave(self, module, args, output):
         if self.output is None:
@@ -208,9 +228,10 @@ class _LayerTrace:
         for hook in self._hooks:
             hook.remove()
 
-    def decide(self) -> Dict[str, str]:
+    def decide(self) -> List[Dict[str, str]]:
+        """The layer's split groups: each a writer, the readers feeding it and what lies between."""
         if self.input is None or self.output is None or not self.linears:
-            return {}
+            return []
         outputs = {id(out.grad_fn): name for name, (_, out) in self.linears.items()
                    if out is not None and out.grad_fn is not None}
         entry = self.input.grad_fn
@@ -231,9 +252,11 @@ class _LayerTrace:
             raise PlanError(f"torchpp.parallelize(plan='auto'): {undecided[0]} neither reads {self.path}'s residual "
                             f"stream nor writes back into it alone (it sits between other linears, or its output "
                             f"goes two ways): the rule cannot decide how to split it; pass plan=")
-        plan: Dict[str, str] = {}
+        groups: List[Dict[str, str]] = []
         params = {id(p): p for p in self._params}
         for w in sorted(writers):
+            plan: Dict[str, str] = {}
+            groups.append(plan)
             between = [params[i] for i in seen[w][2] if i in self.owners]
             widths = [self.linears[r][1].shape[-1] for r in seen[w][0]]
             if any(p.numel() in widths for p in between):
@@ -250,4 +273,4 @@ class _LayerTrace:
             plan.update({self.param_names[id(p)]: "colwise" for p in per_head})
             plan.update({self.owners[id(p)]: "replicated_with_grad_allreduce" for p in between
                          if not any(p is q for q in per_head)})
-        return plan
+        return groups

@@ -2,6 +2,7 @@
 forward (``run_order``, ``split_checks``, ``auto_plan``)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Iterable, List, Mapping, Optional, Set
 
@@ -65,3 +66,21 @@ def walk_back(tensors: Iterable[Optional[torch.Tensor]], named: Mapping[int, str
             walk.params.add(id(variable))
         pending.extend(n for n, _ in node.next_functions if n is not None)
     return walk
+
+
+@contextlib.contextmanager
+def leaving_no_history(model: torch.nn.Module):
+    """Around a traced forward: tensors with autograd history that the forward leaves on modules
+    (RecurrentGemma's recurrent state) are put back as they were, or removed; else the next
+    forward, once the model is split, could reach the trace's graph of the unsplit weights."""
+    before = [(module, dict(vars(module))) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, saved in before:
+            for key, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None and value is not saved.get(key):
+                    if key in saved:
+                        setattr(module, key, saved[key])
+                    else:
+                        delattr(module, key)

@@ -17,9 +17,10 @@ from typing import Dict, List, Mapping
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import walk_back
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
 
-COLUMN_STYLES = ("colwise",)
+# Fused readers split part by part feed a row split too (a group that gathers splits them plainly).
+COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise")
 ROW_STYLES = ("rowwise",)
 TRACE_TOKENS = 8
 # Autograd nodes that combine features along a dimension (not softmax: within a head, over keys).
@@ -41,8 +42,8 @@ def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str],
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
-                                                        device_type=device.type):
+        with torch.enable_grad(), leaving_no_history(model), torch.random.fork_rng(
+                devices=[] if device.type == "cpu" else [device], device_type=device.type):
             model(input_ids=ids, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot run here keeps its plan
         return dict(resolved)

@@ -323,9 +323,9 @@ class Colwise(Style):
     def __init__(self, gather_output: bool = False, packed: int = 1):
         self.gather_output, self.packed = gather_output, packed
 
-    def apply(self, module, name, ctx):
-        kind = _linear_kind(module, name, self.name)
-        dim = _out_dim(kind)
+    def layouts(self, module, name, ctx) -> Tuple[Layout, Layout]:
+        """(weight layout, bias layout) of the linear ``module`` (also what plan="auto" simulates)."""
+        dim = _out_dim(_linear_kind(module, name, self.name))
         out_features = full_shape(module.weight, ctx)[dim]
         if self.packed > 1:
             if out_features % self.packed:
@@ -339,6 +339,12 @@ class Colwise(Style):
             layout = _head_layout(out_features, dim, ctx, name)
             bias_layout = (HeadCopies(0, layout.head_dim, layout.replicas) if isinstance(layout, HeadCopies)
                            else Split(0, out_features))
+        return layout, bias_layout
+
+    def apply(self, module, name, ctx):
+        kind = _linear_kind(module, name, self.name)
+        out_features = full_shape(module.weight, ctx)[_out_dim(kind)]
+        layout, bias_layout = self.layouts(module, name, ctx)
         shard_parameter(module.weight, layout, ctx, f"{name}.weight")
         if module.bias is not None:
             shard_parameter(module.bias, bias_layout, ctx, f"{name}.bias")
@@ -353,14 +359,15 @@ class Colwise(Style):
         module.tp = LinearTP(ctx.group, column=True, gather_output=self.gather_output, out_features=out_features,
                              split_bw=ctx.split_bw and not copies)
 
-    def apply_param(self, module, param_name, name, ctx):
-        param = getattr(module, param_name)
+    def param_layout(self, param: torch.Tensor) -> Layout:
+        """The layout of a bare parameter the plan names (a fused expert tensor, a per-head vector)."""
         dim = max(param.dim() - 2, 0)
         if self.packed > 1:
-            layout = Packed(dim, [param.shape[dim] // self.packed] * self.packed)
-        else:
-            layout = Split(dim, param.shape[dim])
-        shard_parameter(param, layout, ctx, name)
+            return Packed(dim, [param.shape[dim] // self.packed] * self.packed)
+        return Split(dim, param.shape[dim])
+
+    def apply_param(self, module, param_name, name, ctx):
+        shard_parameter(getattr(module, param_name), self.param_layout(getattr(module, param_name)), ctx, name)
 
 
 class Rowwise(Style):
@@ -369,16 +376,22 @@ class Rowwise(Style):
     def __init__(self, split_input: bool = False, packed: int = 1, scatter_output: bool = False):
         self.split_input, self.packed, self.scatter_output = split_input, packed, scatter_output
 
-    def apply(self, module, name, ctx):
-        kind = _linear_kind(module, name, self.name)
-        dim = 1 - _out_dim(kind)
+    def layouts(self, module, name, ctx) -> Tuple[Layout, Layout]:
+        """(weight layout, bias layout) of the linear ``module`` (the bias is added after the reduction)."""
+        dim = 1 - _out_dim(_linear_kind(module, name, self.name))
         in_features = full_shape(module.weight, ctx)[dim]
         if in_features % ctx.size:
             raise PlanError(f"torchpp plan: {name} has {in_features} input features, which tp={ctx.size} does "
                             f"not divide")
-        shard_parameter(module.weight, Split(dim, in_features), ctx, f"{name}.weight")
+        bias = module.bias
+        return Split(dim, in_features), (Split(0, bias.shape[0]) if self.scatter_output and bias is not None
+                                         else Replicated())
+
+    def apply(self, module, name, ctx):
+        kind = _linear_kind(module, name, self.name)
+        layout, bias_layout = self.layouts(module, name, ctx)
+        shard_parameter(module.weight, layout, ctx, f"{name}.weight")
         if module.bias is not None:
-            bias_layout = Split(0, module.bias.shape[0]) if self.scatter_output else Replicated()
             shard_parameter(module.bias, bias_layout, ctx, f"{name}.bias")
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)

@@ -216,7 +216,10 @@ def _check_tp(model_type: str, tp: int, sequence_parallel: bool, plan, **extra) 
     model = tiny_model(model_type, **extra)
     reference = copy.deepcopy(model).to(state.device)
     ids, labels = (t.to(state.device) for t in batch(model.config.get_text_config().vocab_size))
-    ref_loss, ref_output, ref_grads = _reference(reference, ids, labels)
+    # The wrapped model draws what the reference drew (PhiMoE's router samples experts in training).
+    with torch.random.fork_rng(devices=[] if state.device.type == "cpu" else [state.device],
+                               device_type=state.device.type):
+        ref_loss, ref_output, ref_grads = _reference(reference, ids, labels)
     _sgd(reference.parameters())
     wrapped = parallelize(model, state=state, sequence_parallel=sequence_parallel, plan=plan)
     what = f"{model_type} tp={tp}{' sp' if sequence_parallel else ''}"

@@ -95,7 +95,8 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
             raise PlanError(f"torchpp.parallelize: plan={plan!r}: a plan is a dict of globs to styles or 'auto'")
         from torchpp.models.auto_plan import auto_plans, divide_head_attributes
 
-        state.tp_plan, state.layout = auto_plans(model)
+        ps = state.parallel  # each split the rule picks is first tried at this tp
+        state.tp_plan, state.layout = auto_plans(model, ps.tp, tp_context(model, ps, False, False) if ps.tp > 1 else None)
         state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
     elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)

@@ -1,0 +1,197 @@
+"""plan="auto"'s groups tried before any rank splits them: each group the rule would split (a
+writer, the readers feeding it and the parameters between) is run on one layer in this process,
+once per TP rank with that rank's shards (and head counts), with the layer's traced inputs; the
+writer's outputs summed over the simulated ranks must equal the unsplit layer's. A group whose
+split fails there (a module that cuts a split output by hard-coded sizes, reshapes by its input's
+width, adds a bias sized by the global head count) or changes the result stays whole: a working
+wrap of what can be split, never a wrong one. One layer of each kind is tried (layers of one
+class with the same groups share the answer); copies are run in eval mode, so dropout draws
+nothing.
+"""
+from __future__ import annotations
+
+import copy
+import types
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from torchpp.tensor_parallel.styles import STYLES, TPContext
+
+# |sum of the ranks' writer outputs - the unsplit one| allowed, relative to its scale, per dtype.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+HALF_TOLERANCE = 2e-2
+ROW_STYLES = ("rowwise",)
+
+
+def keep_groups_that_split(traces, groups: List[List[Dict[str, str]]], ctx: TPContext
+                           ) -> Tuple[List[List[Dict[str, str]]], Dict[str, str]]:
+    """``groups`` (per layer) without those whose split fails or changes the layer's result.
+
+    Args:
+        traces: ``auto_plan._LayerTrace`` of each layer (the layer, its path, its traced call).
+        groups: per layer, the groups ``_LayerTrace.decide`` chose.
+        ctx: the TP context (size and head counts) to simulate.
+
+    Returns:
+        (the groups kept, {writer: why its group stays whole}).
+    """
+    answers: Dict[tuple, Tuple[Optional[Dict[str, str]], str]] = {}
+    kept, whole = [], {}
+    for trace, layer_groups in zip(traces, groups):
+        mine = []
+        for group in layer_groups:
+            relative = {name[len(trace.path) + 1:]: style for name, style in group.items()}
+            key = (type(trace.layer), tuple(sorted(relative.items())))
+            if key not in answers:
+                answers[key] = _first_that_holds(trace.layer, trace.call, relative, ctx)
+            holding, why = answers[key]
+            if holding is None:
+                whole[_writer(group)] = why
+            else:
+                mine.append({f"{trace.path}.{name}": style for name, style in holding.items()})
+        kept.append(mine)
+    return kept, whole
+
+
+def _first_that_holds(layer, call, group: Dict[str, str], ctx) -> Tuple[Optional[Dict[str, str]], str]:
+    """``group``, or failing that the same with its column-split readers split as 2 or 3 equal
+    fused parts (an output cut in parts by a view, which the trace cannot tell from heads:
+    Moshi's gate and up), whichever holds first; (None, why the group itself does not)."""
+    why = _why_not(layer, call, group, ctx)
+    if why is None:
+        return group, ""
+    for parts, packed in ((2, "packed_colwise"), (3, "packed3_colwise")):
+        readers = [n for n, s in group.items() if s == "colwise" and not isinstance(_get(layer, n), nn.Parameter)]
+        if not readers or any(_get(layer, n).weight.shape[0 if isinstance(_get(layer, n), nn.Linear) else 1]
+                              % (parts * ctx.size) for n in readers):
+            continue
+        variant = {**group, **{n: packed for n in readers}}
+        if _why_not(layer, call, variant, ctx) is None:
+            return variant, ""
+    return None, why
+
+
+def _get(layer: nn.Module, name: str):
+    parent, _, leaf = name.rpartition(".")
+    return getattr(layer.get_submodule(parent) if parent else layer, leaf)
+
+
+def sized_context(model: nn.Module, tp: int) -> TPContext:
+    """A TP context of ``tp`` ranks and ``model``'s head counts, with no process group: enough to
+    try splits in this process (``auto_plans(model, tp=...)`` without ranks)."""
+    from torchpp.models.passes.resolve import tp_context
+
+    return tp_context(model, types.SimpleNamespace(tp_group=_Sized(tp)), False, False)
+
+
+class _Sized:
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _writer(group: Dict[str, str]) -> str:
+    return next(name for name, style in group.items() if style in ROW_STYLES + ("rowwise_split_input",))
+
+
+def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> Optional[str]:
+    """None if ``layer`` with ``group`` split over ``ctx.size`` simulated ranks gives the unsplit
+    writer output (summed over ranks); else why not, in a line."""
+    writer = _writer(group)
+    if group[writer] not in ROW_STYLES or call is None:
+        return None  # a gathered group computes whole activations: nothing the split could change
+    args, kwargs = _detached(call)
+    try:
+        expected = _writer_output(_copy(layer), writer, args, kwargs, backward=False)
+    except Exception:  # noqa: BLE001 - a layer that cannot be called again here is split untried, as before
+        return None
+    total = None
+    for rank in range(ctx.size):
+        local = _copy(layer)
+        try:
+            _shard(local, group, ctx, rank)
+            output = _writer_output(local, writer, args, kwargs, backward=True)
+        except Exception as error:  # noqa: BLE001 - any failure of the split layer is the answer
+            return f"split over tp={ctx.size} it fails: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        if output is None or expected is None or output.shape != expected.shape:
+            return f"split over tp={ctx.size}, {writer} does not give the unsplit layer's output shape"
+        total = output if total is None else total + output
+    tolerance = TOLERANCE.get(expected.dtype, HALF_TOLERANCE) * max(1.0, expected.abs().max().item())
+    difference = (total - expected).abs().max().item()
+    if difference > tolerance:
+        return f"split over tp={ctx.size}, the summed outputs of {writer} differ from the unsplit ones by {difference:.2e}"
+    return None
+
+
+def _copy(layer: nn.Module) -> nn.Module:
+    """A copy of ``layer`` in eval mode; state a layer keeps from the traced call (a recurrent
+    state with autograd history, which deepcopy refuses) is copied detached."""
+    memo = {id(value): value.detach().clone() for module in layer.modules() for value in vars(module).values()
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None}
+    return copy.deepcopy(layer, memo).eval()
+
+
+def _detached(call):
+    def detach(value):
+        if isinstance(value, torch.Tensor):
+            return value.detach()
+        if isinstance(value, (tuple, list)):
+            return type(value)(detach(v) for v in value)
+        return value
+
+    args, kwargs = call
+    return detach(tuple(args)), {key: detach(value) for key, value in kwargs.items()}
+
+
+def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) -> Optional[torch.Tensor]:
+    """The writer's first output when ``layer`` runs on the traced call (and, with ``backward``,
+    after a backward through the layer: a split that breaks only the backward fails here)."""
+    seen: List[torch.Tensor] = []
+    hook = layer.get_submodule(writer).register_forward_hook(
+        lambda module, inputs, output: seen.append(output) if not seen else None)
+    try:
+        device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type), \
+                torch.enable_grad():
+            output = layer(*args, **kwargs)
+    finally:
+        hook.remove()
+    if backward:
+        from torchpp.models.auto_plan import _first_tensor
+
+        out = _first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.sum().backward()
+    return seen[0].detach() if seen else None
+
+
+def _shard(layer: nn.Module, group: Dict[str, str], ctx: TPContext, rank: int) -> None:
+    """Gives ``layer`` (a copy) TP rank ``rank``'s shards of ``group`` and its head counts; a
+    row-split linear's bias is divided by the ranks, so that the outputs sum to the unsplit one."""
+    from torchpp.models.auto_plan import divide_head_attributes
+
+    for name, style in group.items():
+        if style == "replicated_with_grad_allreduce":
+            continue
+        target = _get(layer, name)
+        if isinstance(target, nn.Parameter):  # a per-head vector split with the heads
+            parent, _, leaf = name.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            _set(owner, leaf, STYLES[style].param_layout(target).shard(target.data, rank, ctx.size))
+            continue
+        weight_layout, bias_layout = STYLES[style].layouts(target, name, ctx)
+        _set(target, "weight", weight_layout.shard(target.weight.data, rank, ctx.size))
+        if hasattr(target, "nf"):  # transformers' Conv1D shapes its output by nf (its TP forward reads the weight)
+            target.nf = target.weight.shape[-1]
+        if getattr(target, "bias", None) is not None:
+            bias = bias_layout.shard(target.bias.data, rank, ctx.size)
+            _set(target, "bias", bias / ctx.size if style in ROW_STYLES else bias)
+    divide_head_attributes(layer, group, ctx)
+
+
+def _set(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    setattr(module, name, nn.Parameter(value.clone(), requires_grad=getattr(module, name).requires_grad))
