@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 from torch import nn
 
 from torchpp.models.parallel_config import PipelineOptions
-from torchpp.models.passes.resolve import tied_parameters
+from torchpp.models.passes.resolve import tied_across_ends, tied_parameters
 from torchpp.models.passes.state import Placement, WrapState
 from torchpp.models.stages import PipelineLayout, cut_in_place, get_submodule
 
@@ -33,6 +33,7 @@ def apply_pipeline_cut(model: nn.Module, state: WrapState, options: PipelineOpti
     if ps.pp == 1:
         return model
     layout, where = state.layout, state.placement
+    state.tied_across = tied_across_ends(model, layout.before, layout.after, layout.shared)
     num_layers = len(get_submodule(model, layout.layers))
     split = options.split
     if isinstance(split, str) and split == "auto":

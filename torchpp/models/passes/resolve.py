@@ -7,7 +7,7 @@ model that is no causal LM, a head count TP cannot divide) raises here, with the
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -224,6 +224,22 @@ def tied_parameters(model: nn.Module) -> List[nn.Parameter]:
             holders[id(param)] = holders.get(id(param), 0) + 1
             params[id(param)] = param
     return [params[k] for k, n in holders.items() if n > 1]
+
+
+def tied_across_ends(model: nn.Module, before: List[str], after: List[str], shared: List[str]) -> List[nn.Parameter]:
+    """Tied parameters held by a module of the first stage (``before`` the stack) and one of the last
+    (``after`` it), none every stage runs (``shared``): their gradients are summed between the two
+    end stages. Read before the cut, so every rank lists the same ones in the same order (a head's
+    bias tied inside the head alone is not among them)."""
+    holders: Dict[int, Tuple[nn.Parameter, List[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), (param, []))[1].append(name)
+
+    def under(name: str, paths: List[str]) -> bool:
+        return any(name.startswith(f"{path}.") for path in paths)
+
+    return [param for param, names in holders.values() if len(names) > 1 and not any(under(n, shared) for n in names)
+            and any(under(n, before) for n in names) and any(under(n, after) for n in names)]
 
 
 def tied_names(model: nn.Module) -> Dict[str, str]:
