@@ -2,7 +2,7 @@
 whose config carries none (DeepSpeed's AutoTP idea: linears reading the residual stream are
 split by columns, those writing back into it by rows).
 
-- The stack of layers is the longest ``nn.ModuleList`` whose children are all of one class.
+- The stack of layers is the longest ``nn.ModuleList`` that no layer of another holds (``find_stack``).
 - One traced forward on a few tokens follows, in each layer, the autograd graph between the
   ``nn.Linear``s: a linear whose input comes from the layer's input through no other linear
   *reads* the residual stream; one whose output reaches the layer's output through no other
@@ -42,16 +42,23 @@ HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num
 
 
 def find_stack(model: nn.Module) -> str:
-    """The path of the longest ``nn.ModuleList`` whose children are all of one class."""
-    best: Optional[Tuple[int, str]] = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
-            if best is None or len(module) > best[0]:
-                best = (len(module), name)
+    """The path of the longest ``nn.ModuleList`` that no layer of another holds (a list inside a
+    layer, its experts or adapters, is part of that layer); at equal lengths one whose layers are
+    all of one class, then the first registered. A hybrid model's layers may be of several classes
+    (Zamba 2's Mamba and hybrid layers)."""
+    best: Optional[Tuple[int, bool, str]] = None
+    lists = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.ModuleList)
+             and len(module) > 0]
+    for name, module in lists:
+        if any(name.startswith(f"{outer}.") for outer, _ in lists):
+            continue
+        key = (len(module), len({type(m) for m in module}) == 1)
+        if best is None or key > best[:2]:
+            best = (*key, name)
     if best is None:
-        raise PlanError(f"torchpp.parallelize(plan='auto'): {type(model).__name__} has no nn.ModuleList of identical "
+        raise PlanError(f"torchpp.parallelize(plan='auto'): {type(model).__name__} has no nn.ModuleList of "
                         f"layers to cut into pipeline stages; pass plan=")
-    return best[1]
+    return best[2]
 
 
 def auto_plans(model: nn.Module) -> Tuple[Dict[str, str], PipelineLayout]:

@@ -88,7 +88,7 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
         def hook(module, args, kwargs, output):
             marks["end"] = next(counter)
             exits.update(t.grad_fn for t in _tensors([output]) if t.grad_fn is not None)
-            if isinstance(output, (tuple, list)) and len(output) > 1:  # (hidden, what the next layer reads)
+            if isinstance(output, (tuple, list)):  # (hidden, what the next layer reads), or (hidden,)
                 extras[index] = tuple(isinstance(o, torch.Tensor) for o in output[1:])
             for name, value in kwargs.items():  # a mapping the layers fill for later layers (shared k/v)
                 if isinstance(value, (dict, UserDict)) and value and all(

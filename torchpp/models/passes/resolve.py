@@ -96,6 +96,10 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
         from torchpp.models.auto_plan import auto_plans, divide_head_attributes
 
         state.tp_plan, state.layout = auto_plans(model)
+        if state.parallel.pp > 1:  # a stage must be able to start at any layer of the stack
+            from torchpp.models.stack_check import check_layers_chain
+
+            check_layers_chain(model, state.layout.layers, getattr(text_config(model), "vocab_size", 2))
         state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
     elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)
