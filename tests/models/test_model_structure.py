@@ -164,11 +164,13 @@ def test_the_stack_is_no_list_inside_a_layer_and_may_mix_layer_classes():
     assert find_stack(tiny_model("zamba2")) == "model.layers"  # Mamba and hybrid layers; not an adapter list
 
 
-def test_a_stack_the_model_adds_around_cannot_be_pipelined():
+def test_a_stack_the_model_adds_around_or_loops_over_cannot_be_pipelined():
     from torchpp.models.stack_check import check_layers_chain
 
     with pytest.raises(PlanError, match=r"transformer.attentions.1 is computed from the input of transformer.attentions.0"):
         check_layers_chain(tiny_model("xlm"), "transformer.attentions", 97)  # parallel lists, residual outside
+    with pytest.raises(PlanError, match=r"model.layers.0 runs 2 times in one forward"):
+        check_layers_chain(tiny_model("dory"), "model.layers", 97)  # recurrent loops over its layers
     check_layers_chain(tiny_model("llama"), "model.layers", 97)
 
 

@@ -4,7 +4,8 @@ A later stage swaps the hidden states it receives into its first layer's input. 
 stage needs only if each layer's input is computed from the previous layer's output alone. A
 model whose forward adds around its layers (XLM: ``tensor = tensor + attentions[i](tensor)``,
 its layers spread over parallel ModuleLists) computes the next layer's input from this layer's
-input too, which the stage never receives: the cut would give wrong gradients, so it is refused.
+input too, which the stage never receives: the cut would give wrong gradients, so it is refused;
+so is a stack whose layers run several times in one forward (Dory's recurrent loops).
 """
 from __future__ import annotations
 
@@ -51,10 +52,12 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
     """
     layers = list(get_submodule(model, stack))
     inputs: Dict[int, torch.Tensor] = {}
+    calls: Dict[int, int] = {}
     outputs: Dict[int, List[torch.Tensor]] = {}
     hooks = []
     for i, layer in enumerate(layers):
         def enter(module, args, kwargs, i=i):
+            calls[i] = calls.get(i, 0) + 1
             inputs.setdefault(i, _first_tensor(list(args) + [kwargs.get("hidden_states")]))
 
         def leave(module, args, output, i=i):
@@ -71,6 +74,11 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
     finally:
         for hook in hooks:
             hook.remove()
+    looped = next((i for i, n in sorted(calls.items()) if n > 1), None)
+    if looped is not None:
+        raise PlanError(f"torchpp.parallelize(plan='auto'): {stack}.{looped} runs {calls[looped]} times in one forward "
+                        f"(the model loops over its layers): a pipeline stage runs each of its layers once; pass "
+                        f"plan= with a 'pp' part, or use pp=1")
     for i in range(len(layers) - 1):
         here, after = inputs.get(i), inputs.get(i + 1)
         if here is None or after is None or here.grad_fn is None:

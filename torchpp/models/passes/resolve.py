@@ -16,7 +16,7 @@ from torchpp import tensor_parallel as tp
 from torchpp.models.parallel_config import ParallelConfig
 from torchpp.models.passes.state import WrapState
 from torchpp.models.stages import get_submodule
-from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, text_config, user_plans
+from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, layout_around, text_config, user_plans
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel
 from torchpp.tensor_parallel.plan import resolve_plan
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
@@ -93,9 +93,12 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"torchpp.parallelize: plan={plan!r}: a plan is a dict of globs to styles or 'auto'")
-        from torchpp.models.auto_plan import auto_plans, divide_head_attributes
+        from torchpp.models.auto_plan import auto_plans, divide_head_attributes, find_stack
 
-        state.tp_plan, state.layout = auto_plans(model)
+        if state.parallel.tp > 1:
+            state.tp_plan, state.layout = auto_plans(model)
+        else:  # nothing to split: only the stack to cut (a layer the TP rule cannot decide does not matter)
+            state.tp_plan, state.layout = {}, layout_around(model, find_stack(model))
         if state.parallel.pp > 1:  # a stage must be able to start at any layer of the stack
             from torchpp.models.stack_check import check_layers_chain
 
