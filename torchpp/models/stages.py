@@ -73,13 +73,25 @@ class ElsewhereLayer(nn.Module):
     placeholder = True  # plans skip it
     extras: Optional[tuple] = None
 
-    def __init__(self, index: int, layer: Optional[nn.Module] = None):
+    def __init__(self, index: int, layer: Optional[nn.Module] = None, like: Optional[nn.Module] = None):
         super().__init__()
         self.index = index
         # The model may read its layers' plain attributes (an attention type per layer): keep them.
         for name, value in vars(layer or nn.Module()).items():
             if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool)):
                 setattr(self, name, value)
+        # Anything else it reads (a class attribute, X-MOD's layer[0].output.adapter_modules) comes from
+        # ``like``: the layer itself where this rank holds it, else its copy on the meta device (no memory).
+        object.__setattr__(self, "_like", like)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            like = self.__dict__.get("_like")
+            if like is None or name.startswith("_"):
+                raise
+            return getattr(like, name)
 
     def forward(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
@@ -238,7 +250,7 @@ class ModelStage(nn.Module):
     def _running(self, incoming: Optional[torch.Tensor], extras: Optional[tuple] = None, state=None):
         stack = get_submodule(self._model, self.layout.layers)
         for i in self._others:
-            stack[i] = ElsewhereLayer(i, self._others[i])
+            stack[i] = ElsewhereLayer(i, self._others[i], like=self._others[i])
         placeholders = [layer for layer in stack if isinstance(layer, ElsewhereLayer)]
         for layer in placeholders:  # the layers before ours hand on what the previous stage's last returned
             layer.extras = extras
@@ -395,7 +407,7 @@ def cut_in_place(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int]
     kept = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i in range(len(stack)):
         if i not in kept:
-            stack[i] = ElsewhereLayer(i, stack[i])
+            stack[i] = ElsewhereLayer(i, stack[i], like=_meta_copy(stack[i]))
     keep_before, keep_after = 0 in mine, num_stages - 1 in mine
     for paths, keep, before in ((layout.before, keep_before, True), (layout.after, keep_after, False)):
         if not keep:
