@@ -9,15 +9,36 @@ so is a stack whose layers run several times in one forward (Dory's recurrent lo
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
 from torchpp.models.autograd_walk import walk_back
-from torchpp.models.run_order import TRACE_TOKENS, _tensors
 from torchpp.models.stages import get_submodule
 from torchpp.tensor_parallel.styles import PlanError
+
+TRACE_TOKENS = 8
+
+
+def _first_tensor(value) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(_first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return _first_tensor(list(value.values()))
+    return None
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return _tensors(list(value.values()))
+    return []
 
 
 def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
@@ -37,7 +58,7 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
     for i, layer in enumerate(layers):
         def enter(module, args, kwargs, i=i):
             calls[i] = calls.get(i, 0) + 1
-            inputs.setdefault(i, next(iter(_tensors(list(args) + [kwargs.get("hidden_states")])), None))
+            inputs.setdefault(i, _first_tensor(list(args) + [kwargs.get("hidden_states")]))
 
         def leave(module, args, output, i=i):
             outputs.setdefault(i, _tensors(output))
