@@ -166,6 +166,10 @@ def test_the_stack_is_no_list_inside_a_layer_and_may_mix_layer_classes():
     assert find_stack(tiny_model("zamba2")) == "model.layers"  # Mamba and hybrid layers; not an adapter list
 
 
+def test_the_stack_runs_on_token_ids():
+    assert find_stack(tiny_model("gemma3")) == "model.language_model.layers"  # not the longer vision tower
+
+
 def test_a_stack_the_model_adds_around_or_loops_over_cannot_be_pipelined():
     from torchpp.models.stack_check import check_layers_chain
 

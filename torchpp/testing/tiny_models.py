@@ -219,8 +219,8 @@ def tiny_overrides(defaults: Dict, num_layers: int = NUM_LAYERS, aliases: Option
     for key, value in defaults.items():  # vision/audio towers and other sub-configs (MusicGen's decoder) shrink too
         if isinstance(value, dict) and "model_type" in value:
             own = OVERRIDES.get(value["model_type"], ({}, ""))[0]
-            # Towers get 2 layers; a sub-config whose own override names layers by index gets the full count.
-            layers = num_layers if "per_layer_config" in own else min(num_layers, 2)
+            # Towers get 2 layers; a sub-config with its own override (written for a full stack) the full count.
+            layers = num_layers if own else min(num_layers, 2)
             out[key] = {**value, **tiny_overrides(value, layers, _aliases(value["model_type"])), **own}
     if defaults.get("per_layer_config") and isinstance(defaults.get("layer_types"), list):
         out["per_layer_config"] = _tiny_per_layer(defaults, out)
