@@ -19,7 +19,8 @@ Pipeline (pp=2):
 - plan="auto" at tp=1 reads only the stack (Zamba 2: Mamba and hybrid layers, one linear the TP
   rule cannot decide);
 - a block layers on several pipeline ranks share (Zamba's attention, tied from its first hybrid
-  layer to the others): its gradients summed over the pipeline.
+  layer to the others): its gradients summed over the pipeline; so are those of parameters the
+  base model holds itself (Zaya's input scale and bias, which no placeholder replaces).
 Tensor parallelism (tp=2):
 - per-layer configs (transformers' heterogeneous configs): head counts read per layer;
 - statistics across a split width (ESMC's full-width q/k norms, Gemma 3n's sparse activations):
@@ -56,6 +57,7 @@ MECHANISMS = {
     "tied parameters listed head first": [("pp", "camembert", {"plan": "auto"})],
     "plan='auto' at tp=1 reads only the stack": [("pp", "zamba2", {"plan": "auto"})],
     "a block layers on both pipeline ranks share": [("pp", "zamba", {"plan": "auto"})],
+    "parameters the base model holds itself": [("pp", "zaya", {"plan": "auto"})],
     "per-layer head counts": [("tp", "embedding_gemma2_text", {})],
     "statistics across a split width": [("tp", "esmc", {}), ("tp", "gemma3n_text", {}), ("tp", "glm5_next_text", {})],
     "fused and shared experts": [("tp", "inkling_text", {})],

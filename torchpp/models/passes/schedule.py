@@ -61,7 +61,8 @@ def _group_end_stages(model: nn.Module, state: WrapState) -> None:
     first, last = where.rank_of[0], where.rank_of[where.num_stages - 1]
     stage_shared = []
     shared = _unique([p for path in state.layout.shared for p in get_submodule(model, path).parameters()
-                      if p.requires_grad] + [p for p in state.tied_layers if p.requires_grad])
+                      if p.requires_grad] + [p for p in state.tied_layers + _held_by_ancestors(model, state.layout.layers)
+                                             if p.requires_grad])
     # (a frozen table, sinusoidal positions, gets no gradient to sum; tied_layers: a block layers share)
     if shared:
         stage_shared.append((shared, ps.pp_group))
@@ -99,6 +100,17 @@ def _check_same_shapes(model: nn.Module, params: List[nn.Parameter], group) -> N
         ranks = dist.get_process_group_ranks(group)
         raise RuntimeError("torchpp.parallelize: the pipeline ranks disagree on the parameters whose gradients they "
                            "sum: " + "; ".join(f"rank {r}: {listed}" for r, listed in zip(ranks, every)))
+
+
+def _held_by_ancestors(model: nn.Module, stack: str) -> List[nn.Parameter]:
+    """Parameters the stack's ancestors hold themselves (Zaya's input scale, ``model.input_hidden_states_scale``):
+    no placeholder replaces them, so every pipeline rank keeps them and only the stage using them
+    gets a gradient: summed over the pipeline."""
+    params, path = [], stack
+    while path:
+        path = path.rpartition(".")[0]
+        params += list(get_submodule(model, path).parameters(recurse=False))
+    return params
 
 
 def _unique(params) -> List[nn.Parameter]:
