@@ -85,7 +85,7 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
             continue
         walk = walk_back([after], entry=here.grad_fn, blocked=[t.grad_fn for t in outputs.get(i, []) if t.grad_fn])
         if walk.entry:
-            raise PlanError(f"torchpp.parallelize(plan='auto'): the input of {stack}.{i + 1} is computed from the input "
-                            f"of {stack}.{i} besides its output (the model adds around its layers, or spreads them "
-                            f"over parallel lists): a pipeline stage cannot start at one of them; pass plan= with a "
-                            f"'pp' part naming the layers, or use pp=1")
+            raise PlanError(f"torchpp.parallelize(plan='auto'): the input of {stack}.{i + 1} is computed from "
+                            f"the input of {stack}.{i} besides its output (the model adds around its layers, or "
+                            f"spreads them over parallel lists): a pipeline stage cannot start at one of them; pass "
+                            f"plan= with a 'pp' part naming the layers, or use pp=1")

@@ -20,7 +20,8 @@ SIZES = {
     "intermediate_size": 96, "ffn_hidden_size": 96, "n_inner": 96, "dense_intermediate_size": 96,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32,
     "expert_ffn_hidden_size": 32, "moe_hidden_size": 32, "share_expert_dim": 32, "shared_intermediate_size": 32,
-    "num_attention_heads": 4, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "n_head": 4, "num_heads": 4, "num_key_value_heads": 2, "num_kv_heads": 2,
+    "num_attention_heads": 4, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "n_head": 4,
+    "num_heads": 4, "num_key_value_heads": 2, "num_kv_heads": 2,
     "head_dim": 16, "swa_head_dim": 16, "attention_head_dim": 16, "swa_num_attention_heads": 4,
     "swa_num_key_value_heads": 2, "linear_num_heads": 4, "rel_extent": 32,
     "vocab_size": 97, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
@@ -40,7 +41,8 @@ SIZES = {
     "first_k_dense_replace": 1, "moe_layer_freq": 1, "decoder_sparse_step": 1,
     "query_pre_attn_scalar": 16, "rotary_dim": 8, "partial_rotary_dim": 8,
     "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 97,  # a byte-latent model's (BLT) sub-configs
-    "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64,  # a vision adapter between a tower and the text model (dots3)
+    # adapters between a tower and the text model (dots3)
+    "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64,
     # state-space (Mamba) layers: their scan pads the sequence to a whole chunk, so a default
     # chunk of 256 and state of 256 make a 16-token step take minutes on a CPU.
     "mamba_n_heads": 4, "mamba_num_heads": 4, "n_mamba_heads": 4, "mamba_d_state": 16, "ssm_state_size": 16,

@@ -60,9 +60,9 @@ def _group_end_stages(model: nn.Module, state: WrapState) -> None:
     ps, where, tied = state.parallel, state.placement, state.tied
     first, last = where.rank_of[0], where.rank_of[where.num_stages - 1]
     stage_shared = []
+    summed = state.tied_layers + _held_by_ancestors(model, state.layout.layers)
     shared = _unique([p for path in state.layout.shared for p in get_submodule(model, path).parameters()
-                      if p.requires_grad] + [p for p in state.tied_layers + _held_by_ancestors(model, state.layout.layers)
-                                             if p.requires_grad])
+                      if p.requires_grad] + [p for p in summed if p.requires_grad])
     # (a frozen table, sinusoidal positions, gets no gradient to sum; tied_layers: a block layers share)
     if shared:
         stage_shared.append((shared, ps.pp_group))
