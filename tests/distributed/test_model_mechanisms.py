@@ -12,7 +12,15 @@ Pipeline (pp=2):
   rank, their gradients summed over the pipeline; and what layers leave in a shared mapping for
   later layers (its shared key/value states) travels to the next stage;
 - layers that read the token ids (Higgs audio's audio-token masks): the ids travel along;
-- layers returning more than the hidden states (GLM-MoE-DSA's top-k indices): it travels along.
+- layers returning more than the hidden states (GLM-MoE-DSA's top-k indices): it travels along;
+- tied parameters listed head first, one of them tied inside the head alone (CamemBERT's bias):
+  the end stages sum the same ones (read before the cut), and ranks that would sum different
+  ones fail clearly on every rank instead of killing one inside the collective;
+- plan="auto" at tp=1 reads only the stack (Zamba 2: Mamba and hybrid layers, one linear the TP
+  rule cannot decide);
+- a block layers on several pipeline ranks share (Zamba's attention, tied from its first hybrid
+  layer to the others): its gradients summed over the pipeline; so are those of parameters the
+  base model holds itself (Zaya's input scale and bias, which no placeholder replaces).
 Tensor parallelism (tp=2):
 - per-layer configs (transformers' heterogeneous configs): head counts read per layer;
 - statistics across a split width (ESMC's full-width q/k norms, Gemma 3n's sparse activations):
@@ -50,6 +58,10 @@ MECHANISMS = {
     "modules every stage runs, state left for later layers": [("pp", "gemma3n_text", {})],
     "layers reading token ids": [("pp", "higgs_audio_v2", {})],
     "layers returning extra outputs": [("pp", "glm_moe_dsa", {})],
+    "tied parameters listed head first": [("pp", "camembert", {"plan": "auto"})],
+    "plan='auto' at tp=1 reads only the stack": [("pp", "zamba2", {"plan": "auto"})],
+    "a block layers on both pipeline ranks share": [("pp", "zamba", {"plan": "auto"})],
+    "parameters the base model holds itself": [("pp", "zaya", {"plan": "auto"})],
     "per-layer head counts": [("tp", "embedding_gemma2_text", {})],
     "statistics across a split width": [("tp", "esmc", {}), ("tp", "gemma3n_text", {}), ("tp", "glm5_next_text", {})],
     "fused and shared experts": [("tp", "inkling_text", {})],
@@ -74,3 +86,22 @@ def test_mechanism(ranks, mechanism):
 def test_flagship(ranks, model_type):
     cases = [("tp", model_type, {})] + [(check, model_type, options) for check, options in PP_SCHEDULES]
     assert len(ranks(2).run(run_checks, cases, timeout=TIMEOUT_S)[0]) == 3
+
+
+def _sum_different_parameters():
+    import torch.distributed as dist
+    from torch import nn
+
+    from torchpp.models.passes.schedule import _check_same_shapes
+
+    model = nn.Linear(3, 2 + dist.get_rank())  # each rank's weight has another shape
+    try:
+        _check_same_shapes(model, [model.weight], dist.group.WORLD)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_summing_different_parameters_fail_clearly(ranks):
+    messages = ranks(2).run(_sum_different_parameters, timeout=60)
+    assert all("disagree on the parameters" in m and "rank 1: [('weight', (3, 3))]" in m for m in messages), messages

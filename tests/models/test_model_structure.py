@@ -163,3 +163,58 @@ def test_packed_readers_feed_a_row_split():
     plan, _ = auto_plans(model)
     resolved = resolve_plan(model, plan, False)
     assert gather_where_width_statistics(model, resolved, 97)["model.layers.0.mlp.Wo"] == "rowwise"
+
+
+def two_stages_logits(model_type):
+    """(the unwrapped model's logits, stage 1 of 2 run on stage 0's output) under plan="auto", one process."""
+    import copy
+
+    from torchpp.models.stages import cut_in_place, get_submodule
+    from torchpp.testing.model_checks import batch, float64_throughout
+
+    with float64_throughout():
+        model = tiny_model(model_type).eval()
+        layout = traced_layout(model, auto_plans(model)[1], 97)
+        ids = batch(97, batch_size=1)[0]
+        expected = model(input_ids=ids, use_cache=False).logits
+        n = len(get_submodule(model, layout.layers))
+        first, last = copy.deepcopy(model), copy.deepcopy(model)
+        stage0 = cut_in_place(first, layout, [0, n // 2, n], [0], True)[0]
+        stage1 = cut_in_place(last, layout, [0, n // 2, n], [1], True)[1]
+        return expected, stage1(*stage0(ids))
+
+
+@pytest.mark.parametrize("model_type", [
+    "mvp",  # layers return a 1-tuple the model indexes: the placeholders of earlier layers return one too
+    "xlstm",  # layers return (hidden, recurrent state tuple): only tensors travel to the next stage
+    "llama4_text",  # the forward reads embed_tokens.weight.device on every stage
+    "blt",  # its patcher's integer patch lengths steer the whole forward: it runs on every stage
+    "xmod",  # the forward reads layer[0].output.adapter_modules on every stage (a layer held elsewhere)
+])
+def test_a_later_stage_runs_the_models_forward_as_the_whole_model(model_type):
+    expected, got = two_stages_logits(model_type)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-10)
+
+
+def test_the_stack_is_no_list_inside_a_layer_and_may_mix_layer_classes():
+    assert find_stack(tiny_model("zamba2")) == "model.layers"  # Mamba and hybrid layers; not an adapter list
+
+
+def test_the_stack_runs_on_token_ids():
+    assert find_stack(tiny_model("gemma3")) == "model.language_model.layers"  # not the longer vision tower
+
+
+def test_a_stack_the_model_adds_around_or_loops_over_cannot_be_pipelined():
+    from torchpp.models.stack_check import check_layers_chain
+
+    with pytest.raises(PlanError, match=r"transformer.attentions.1 is computed from the input of transformer.attentions.0"):
+        check_layers_chain(tiny_model("xlm"), "transformer.attentions", 97)  # parallel lists, residual outside
+    with pytest.raises(PlanError, match=r"model.layers.0 runs 2 times in one forward"):
+        check_layers_chain(tiny_model("dory"), "model.layers", 97)  # recurrent loops over its layers
+    check_layers_chain(tiny_model("llama"), "model.layers", 97)
+
+
+def test_elsewhere_shows_the_modules_own_tensors_without_memory():
+    placeholder = Elsewhere("embed", True, torch.nn.Embedding(11, 6, dtype=torch.float64))
+    assert placeholder.weight.shape == (11, 6) and placeholder.weight.dtype == torch.float64
+    assert placeholder.weight.stride() == (0, 0) and not list(placeholder.parameters())

@@ -2,7 +2,7 @@
 whose config carries none (DeepSpeed's AutoTP idea: linears reading the residual stream are
 split by columns, those writing back into it by rows).
 
-- The stack of layers is the longest ``nn.ModuleList`` whose children are all of one class.
+- The stack of layers is the longest ``nn.ModuleList`` that no layer of another holds (``find_stack``).
 - One traced forward on a few tokens follows, in each layer, the autograd graph between the
   ``nn.Linear``s: a linear whose input comes from the layer's input through no other linear
   *reads* the residual stream; one whose output reaches the layer's output through no other
@@ -44,16 +44,46 @@ HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num
 
 
 def find_stack(model: nn.Module) -> str:
-    """The path of the longest ``nn.ModuleList`` whose children are all of one class."""
-    best: Optional[Tuple[int, str]] = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
-            if best is None or len(module) > best[0]:
-                best = (len(module), name)
+    """The path of the longest ``nn.ModuleList`` that no layer of another holds (a list inside a
+    layer, its experts or adapters, is part of that layer) and whose layers run on token ids (not a
+    vision tower's); at equal lengths one whose layers are all of one class, then the first
+    registered. A hybrid model's layers may be of several classes (Zamba 2's Mamba and hybrid layers)."""
+    best: Optional[Tuple[int, bool, str]] = None
+    lists = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.ModuleList)
+             and len(module) > 0]
+    outer = [(name, module) for name, module in lists if not any(name.startswith(f"{o}.") for o, _ in lists)]
+    ran = _running_lists(model, outer)  # a vision tower's layers do not run on token ids: not the stack
+    for name, module in outer:
+        if ran and name not in ran:
+            continue
+        key = (len(module), len({type(m) for m in module}) == 1)
+        if best is None or key > best[:2]:
+            best = (*key, name)
     if best is None:
-        raise PlanError(f"torchpp.parallelize(plan='auto'): {type(model).__name__} has no nn.ModuleList of identical "
+        raise PlanError(f"torchpp.parallelize(plan='auto'): {type(model).__name__} has no nn.ModuleList of "
                         f"layers to cut into pipeline stages; pass plan=")
-    return best[1]
+    return best[2]
+
+
+def _running_lists(model: nn.Module, lists) -> set:
+    """The names of ``lists`` whose first layer runs in a forward on a few token ids (empty when the
+    model cannot run here: built on the meta device, or its forward needs more than token ids)."""
+    if any(p.is_meta for p in model.parameters()):
+        return set()
+    ran: set = set()
+    hooks = [module[0].register_forward_pre_hook(lambda *_, name=name: ran.add(name)) for name, module in lists]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = (torch.arange(TRACE_TOKENS, device=device) % (getattr(text_config(model), "vocab_size", None) or 2))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
+                                                    device_type=device.type):
+            model(input_ids=ids.unsqueeze(0), use_cache=False)
+    except Exception:  # noqa: BLE001 - judged by registration alone
+        return set()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ran
 
 
 def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None

@@ -8,7 +8,8 @@ outside the stack that holds parameters:
 
 - whether it first runs before the first layer (first pipeline stage) or after the last (last stage);
 - whether it is *shared*: its parameters reach, through autograd, an input of a layer other than
-  the hidden states (a rotary table with a learned scale, per-layer token embeddings). Every
+  the hidden states (a rotary table with a learned scale, per-layer token embeddings), or its
+  outputs include integers that steer the forward (BLT's patcher: its patch lengths). Every
   stage needs such a module: it is kept on every pipeline rank, and its gradients are summed
   over the pipeline (``torchpp.models.passes.schedule``).
 
@@ -88,7 +89,7 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
         def hook(module, args, kwargs, output):
             marks["end"] = next(counter)
             exits.update(t.grad_fn for t in _tensors([output]) if t.grad_fn is not None)
-            if isinstance(output, (tuple, list)) and len(output) > 1:  # (hidden, what the next layer reads)
+            if isinstance(output, (tuple, list)):  # (hidden, what the next layer reads), or (hidden,)
                 extras[index] = tuple(isinstance(o, torch.Tensor) for o in output[1:])
             for name, value in kwargs.items():  # a mapping the layers fill for later layers (shared k/v)
                 if isinstance(value, (dict, UserDict)) and value and all(
@@ -97,10 +98,14 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
         return hook
 
     outputs: Dict[str, Set[int]] = {}
+    steering: Set[str] = set()  # modules returning integers (BLT's patcher: patch lengths)
 
     def on_output(path):
         def hook(module, args, output):
-            outputs.setdefault(path, set()).update(t.untyped_storage().data_ptr() for t in _tensors([output]))
+            tensors = _tensors([output])
+            outputs.setdefault(path, set()).update(t.untyped_storage().data_ptr() for t in tensors)
+            if any(not t.is_floating_point() for t in tensors):
+                steering.add(path)
         return hook
 
     for path in candidates:  # a container (a ModuleList of projections) runs when its first member does
@@ -120,7 +125,8 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
             hook.remove()
     # Modules whose output itself (or a view of it) reaches a layer: a table without gradients (sinusoidal positions).
     side_storage = {t.untyped_storage().data_ptr() for t in side}
-    handed = {path for path, ptrs in outputs.items() if ptrs & side_storage}
+    # ... or whose integer outputs steer the rest of the forward: zeros in their place would change it.
+    handed = {path for path, ptrs in outputs.items() if ptrs & side_storage} | steering
     return first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state, handed
 
 

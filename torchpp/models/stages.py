@@ -35,8 +35,9 @@ class PipelineLayout:
         before: paths of the modules that run before the layers (first stage), in order.
         after: paths of the modules that run after them (last stage), in order.
         extras: for each layer returning a tuple, which of its outputs after the hidden states
-            are tensors (True) or None (False): the next stage receives the tensors; empty
-            (layers return their hidden states alone) unless traced (``torchpp.models.run_order``).
+            are tensors (True) or None (False), () for a 1-tuple: the next stage receives the
+            tensors; empty (layers return their hidden states alone) unless traced
+            (``torchpp.models.run_order``).
         layer_state: after each layer, what the layers leave in a mapping argument for later
             layers (transformers' ``shared_kv_states``): (the argument's name, ((key, number of
             tensors), ...)); the next stage receives those tensors and starts from them.
@@ -72,13 +73,25 @@ class ElsewhereLayer(nn.Module):
     placeholder = True  # plans skip it
     extras: Optional[tuple] = None
 
-    def __init__(self, index: int, layer: Optional[nn.Module] = None):
+    def __init__(self, index: int, layer: Optional[nn.Module] = None, like: Optional[nn.Module] = None):
         super().__init__()
         self.index = index
         # The model may read its layers' plain attributes (an attention type per layer): keep them.
         for name, value in vars(layer or nn.Module()).items():
             if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool)):
                 setattr(self, name, value)
+        # Anything else it reads (a class attribute, X-MOD's layer[0].output.adapter_modules) comes from
+        # ``like``: the layer itself where this rank holds it, else its copy on the meta device (no memory).
+        object.__setattr__(self, "_like", like)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            like = self.__dict__.get("_like")
+            if like is None or name.startswith("_"):
+                raise
+            return getattr(like, name)
 
     def forward(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
@@ -104,6 +117,20 @@ class Elsewhere(nn.Module):
         super().__init__()
         self.path, self.before = path, before
         object.__setattr__(self, "_shape_of", _meta_copy(module) if before and module is not None else None)
+        # The model may read the module's own tensors (``embed_tokens.weight.device``): their shape, dtype, device.
+        held = {} if module is None else {**dict(module.named_parameters(recurse=False)),
+                                          **dict(module.named_buffers(recurse=False))}
+        object.__setattr__(self, "_held", {name: (t.shape, t.dtype, t.device) for name, t in held.items()})
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            held = self.__dict__.get("_held", {})
+            if name not in held:
+                raise
+            shape, dtype, device = held[name]
+            return torch.zeros((), dtype=dtype, device=device).expand(shape)  # no memory: one zero, broadcast
 
     def forward(self, *args, **kwargs):
         if not self.before:
@@ -223,7 +250,7 @@ class ModelStage(nn.Module):
     def _running(self, incoming: Optional[torch.Tensor], extras: Optional[tuple] = None, state=None):
         stack = get_submodule(self._model, self.layout.layers)
         for i in self._others:
-            stack[i] = ElsewhereLayer(i, self._others[i])
+            stack[i] = ElsewhereLayer(i, self._others[i], like=self._others[i])
         placeholders = [layer for layer in stack if isinstance(layer, ElsewhereLayer)]
         for layer in placeholders:  # the layers before ours hand on what the previous stage's last returned
             layer.extras = extras
@@ -244,7 +271,8 @@ class ModelStage(nn.Module):
         kinds = self.layout.extras.get(self.layer_range[0] - 1)
         received = list(rest[:sum(kinds)]) if kinds else []
         rest = rest[len(received):]
-        extras = tuple(received.pop(0) if is_tensor else None for is_tensor in kinds) if kinds else None
+        # () for layers returning a 1-tuple: the placeholders return one too (the model indexes it).
+        extras = tuple(received.pop(0) if is_tensor else None for is_tensor in kinds) if kinds is not None else None
         state = None
         described = self.layout.layer_state.get(self.layer_range[0] - 1)
         if described:
@@ -300,8 +328,10 @@ class ModelStage(nn.Module):
                 # nn.Module.__call__: the parallelized model's own __call__ refuses calls under a pipeline.
                 output = nn.Module.__call__(model if self.last else _base_model(model), use_cache=False, **call)
             except _Exit as leaving:
-                extras = tuple(leaving.output[1:]) if self.layout.extras.get(self.layer_range[1] - 1) else ()
-                carried = (_hidden(leaving.output), *[e for e in extras if e is not None], *leaving.state,
+                kinds = self.layout.extras.get(self.layer_range[1] - 1) or ()
+                # The tensors the trace saw (a recurrent state, a tuple the model keeps only for its cache, is not).
+                extras = [e for e, is_tensor in zip(leaving.output[1:], kinds) if is_tensor and e is not None]
+                carried = (_hidden(leaving.output), *extras, *leaving.state,
                            carried_positions, input_ids)
                 return carried if attention_mask is None else carried + (attention_mask,)
         return output.logits if hasattr(output, "logits") else output[0]
@@ -377,7 +407,7 @@ def cut_in_place(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int]
     kept = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i in range(len(stack)):
         if i not in kept:
-            stack[i] = ElsewhereLayer(i, stack[i])
+            stack[i] = ElsewhereLayer(i, stack[i], like=_meta_copy(stack[i]))
     keep_before, keep_after = 0 in mine, num_stages - 1 in mine
     for paths, keep, before in ((layout.before, keep_before, True), (layout.after, keep_after, False)):
         if not keep:

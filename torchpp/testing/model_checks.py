@@ -54,20 +54,22 @@ def float64_throughout():
             return original_to(self, torch.float64)
         return original_type(self, dtype, *args, **kwargs) if dtype is not None else original_type(self)
 
-    def with_dtype(function):
+    def with_dtype(function, of_float64_only=False):
         @functools.wraps(function)
         def wrapped(input, *args, **kwargs):
-            if keeps(kwargs.get("dtype")):
+            if keeps(kwargs.get("dtype")) and (not of_float64_only or input.dtype == torch.float64):
                 kwargs["dtype"] = torch.float64
             return function(input, *args, **kwargs)
         return wrapped
 
     # softmax with dtype=float32 as a function, a torch function or a tensor method (a router's).
     homes = [(home, name) for home in (torch.nn.functional, torch, torch.Tensor) for name in ("softmax", "log_softmax")]
-    saved = {(home, name): getattr(home, name) for home, name in homes}
+    # A float32 buffer shaped like a float64 tensor (Inkling's experts accumulate in one).
+    likes = [(torch, name) for name in ("zeros_like", "empty_like", "ones_like", "full_like")]
+    saved = {(home, name): getattr(home, name) for home, name in homes + likes}
     torch.Tensor.float, torch.Tensor.to, torch.Tensor.type = float_, to, type_
     for (home, name), function in saved.items():
-        setattr(home, name, with_dtype(function))
+        setattr(home, name, with_dtype(function, of_float64_only=(home, name) in likes))
     try:
         yield
     finally:

@@ -20,7 +20,8 @@ SIZES = {
     "intermediate_size": 96, "ffn_hidden_size": 96, "n_inner": 96, "dense_intermediate_size": 96,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32,
     "expert_ffn_hidden_size": 32, "moe_hidden_size": 32, "share_expert_dim": 32, "shared_intermediate_size": 32,
-    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "num_key_value_heads": 2, "num_kv_heads": 2,
+    "num_attention_heads": 4, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "n_head": 4,
+    "num_heads": 4, "num_key_value_heads": 2, "num_kv_heads": 2,
     "head_dim": 16, "swa_head_dim": 16, "attention_head_dim": 16, "swa_num_attention_heads": 4,
     "swa_num_key_value_heads": 2, "linear_num_heads": 4, "rel_extent": 32,
     "vocab_size": 97, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
@@ -40,6 +41,8 @@ SIZES = {
     "first_k_dense_replace": 1, "moe_layer_freq": 1, "decoder_sparse_step": 1,
     "query_pre_attn_scalar": 16, "rotary_dim": 8, "partial_rotary_dim": 8,
     "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 97,  # a byte-latent model's (BLT) sub-configs
+    # adapters between a tower and the text model (dots3)
+    "adapter_in_dim": 64, "adapter_out_dim": 64, "adapter_input_size": 64,
     # state-space (Mamba) layers: their scan pads the sequence to a whole chunk, so a default
     # chunk of 256 and state of 256 make a 16-token step take minutes on a CPU.
     "mamba_n_heads": 4, "mamba_num_heads": 4, "n_mamba_heads": 4, "mamba_d_state": 16, "ssm_state_size": 16,
@@ -75,6 +78,18 @@ OVERRIDES: Dict[str, tuple] = {
     "hrm_text": ({"num_hidden_layers": 2}, "num_hidden_layers counts the layers of each of its two stacks"),
     "higgs_audio_v2": ({"num_codebooks": 2, "codebook_size": 32, "audio_stream_bos_id": 32, "audio_stream_eos_id": 33},
                        "its audio embedding and head are num_codebooks x codebook_size rows"),
+    "gpt_neo": ({"attention_types": [[["global", "local"], NUM_LAYERS // 2]]},
+                "its attention_types expands to one kind per layer, which must count num_layers"),
+    "nemotron": ({"num_key_value_heads": 2}, "its default leaves num_key_value_heads None, which its attention divides by"),
+    "lfm2_moe": ({"layer_types": ["conv", "full_attention"] * (NUM_LAYERS // 2)},
+                 "its default leaves layer_types None, which its decoder layers index"),
+    "qwen4_exp_text": ({"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                        "indexer_compress_ratio": 4},
+                       "its default leaves the indexer (QSA) sizes None, which its indexed-attention layers divide"),
+    "reformer": ({"is_decoder": True, "axial_pos_shape": [4, 4], "axial_pos_embds_dim": [16, 48]},
+                 "its causal-LM class requires is_decoder; in training its axial positions multiply to the sequence "
+                 "length (16) and their widths add up to the hidden size"),
+    "xmod": ({"default_language": "en_XX"}, "its forward needs a language (lang_ids, else the config's default)"),
     "t5_gemma_module": ({"dropout_rate": 0.0}, "its modeling reads dropout_rate, which the config does not declare"),
     "t5gemma2_text": ({"dropout_rate": 0.0}, "its modeling reads dropout_rate, which the config does not declare"),
     "t5gemma2_decoder": ({"dropout_rate": 0.0}, "its modeling reads dropout_rate, which the config does not declare"),
@@ -92,6 +107,19 @@ UNBUILDABLE: Dict[str, str] = {
     "t5gemma2_decoder": "a cross-attention decoder: its forward needs encoder_hidden_states",
     "dbrx": "its attention reads attn_config.rope_theta, which DbrxAttentionConfig no longer has (its default "
             "config included): transformers 5.24 cannot build it",
+    "gemma4_assistant": "a speculative-decoding drafter: its forward ignores input_ids and takes inputs_embeds and "
+                        "the target model's shared_kv_states",
+    "gemma4_unified_assistant": "a speculative-decoding drafter: its forward ignores input_ids and takes inputs_embeds "
+                                "and the target model's shared_kv_states",
+    "git": "its causal-LM loss drops the first image_patch_tokens positions of the logits (at least 2) as image "
+           "tokens even without pixel_values, leaving fewer logits than labels: on token ids alone transformers 5.24 "
+           "computes no loss",
+    "musicgen": "its causal LM takes input_ids of [batch x num_codebooks, seq] and labels of [batch, seq, "
+                "num_codebooks], not token ids and labels of one shape",
+    "musicgen_melody": "its causal LM takes input_ids of [batch x num_codebooks, seq] and labels of [batch, seq, "
+                       "num_codebooks], not token ids and labels of one shape",
+    "xglm": "its attention clamps scores with torch.full((), finfo(dtype).min) in the default dtype (float32), which "
+            "overflows for a float64 model: transformers 5.24 cannot run it in float64",
     "voxtral_realtime_text": "its decoder layers scale by a time-conditioning embedding t_cond that token ids "
                              "do not provide (the audio model passes it)",
 }
@@ -100,6 +128,11 @@ NOT_PIPELINED: Dict[str, str] = {
     "hrm_text": "its forward runs its two stacks of layers (L_module, H_module) in cycles, each layer several times "
                 "per step, and its base_model_pp_plan names a `layers` module HrmTextModel does not have: transformers "
                 "itself cannot pipeline it",
+}
+# Types whose training-mode forward draws random numbers no config turns off: the checks run them in
+# eval mode (gradients flow the same), else no two runs would agree. Type -> why.
+EVAL_MODE: Dict[str, str] = {
+    "phimoe": "its router samples experts with Gumbel noise in training mode (sparsemixer)",
 }
 DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id", "image_token_id",
@@ -185,11 +218,17 @@ def tiny_overrides(defaults: Dict, num_layers: int = NUM_LAYERS, aliases: Option
         if isinstance(value, dict) and isinstance(value.get("mrope_section"), list) and value["mrope_section"]:
             half = out.get("head_dim", defaults.get("head_dim") or 16) // 2
             out[key] = {**value, "mrope_section": _scaled_sections(value["mrope_section"], half)}
-    for key, value in defaults.items():  # vision/audio towers and other sub-configs shrink too
-        if key.endswith("_config") and isinstance(value, dict) and "model_type" in value:
-            out[key] = {**value, **tiny_overrides(value, min(num_layers, 2), _aliases(value["model_type"]))}
+    for key, value in defaults.items():  # vision/audio towers and other sub-configs (MusicGen's decoder) shrink too
+        if isinstance(value, dict) and "model_type" in value:
+            own = OVERRIDES.get(value["model_type"], ({}, ""))[0]
+            # Towers get 2 layers; a sub-config with its own override (written for a full stack) the full count.
+            layers = num_layers if own else min(num_layers, 2)
+            out[key] = {**value, **tiny_overrides(value, layers, _aliases(value["model_type"])), **own}
     if defaults.get("per_layer_config") and isinstance(defaults.get("layer_types"), list):
         out["per_layer_config"] = _tiny_per_layer(defaults, out)
+    elif defaults.get("per_layer_config") and "num_hidden_layers" in out:  # no kinds: the layers kept keep theirs
+        out["per_layer_config"] = {i: v for i, v in defaults["per_layer_config"].items()
+                                   if int(i) < out["num_hidden_layers"]}
     return out
 
 
@@ -258,7 +297,8 @@ def tiny_config(model_type: str, num_layers: int = NUM_LAYERS, **extra):
 def tiny_model(model_type: str, *, seed: int = 1234, dtype: torch.dtype = torch.float64, causal_lm: Optional[bool] = None,
                jitter: float = 0.02, **extra) -> nn.Module:
     """The same random tiny model on every rank: a causal LM where the type has one (else its
-    base model), in ``dtype``, in training mode (dropout is off in the config).
+    base model), in ``dtype``, in training mode (dropout is off in the config; ``EVAL_MODE``'s
+    types in eval mode).
 
     Args:
         model_type: a transformers model type (see ``causal_lm_types``).
@@ -274,6 +314,7 @@ def tiny_model(model_type: str, *, seed: int = 1234, dtype: torch.dtype = torch.
     """
     config = tiny_config(model_type, **extra)
     cls = model_class(config, causal_lm)
+    config = _config_for(cls, config)
     torch.manual_seed(seed)
     model = cls._from_config(config, dtype=dtype)
     if dtype == torch.float64:  # modules transformers keeps in float32 too: float64_throughout casts to float64
@@ -285,7 +326,20 @@ def tiny_model(model_type: str, *, seed: int = 1234, dtype: torch.dtype = torch.
                 if param.numel() and bool(param.min() == param.max()):
                     noise = torch.randn(param.shape, generator=generator, dtype=torch.float64)
                     param.add_((jitter * noise).to(param.dtype))
-    return model.train()
+    return model.eval() if model_type in EVAL_MODE else model.train()
+
+
+def _config_for(cls: type, config):
+    """The sub-config a composite config's model class is built from (its text or decoder config,
+    as ``AutoModelForCausalLM.from_config`` hands the text config), else ``config``."""
+    wanted = getattr(cls, "config_class", None)
+    if wanted is None or isinstance(config, wanted):
+        return config
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if isinstance(sub, wanted):
+            return sub
+    return config
 
 
 def model_class(config, causal_lm: Optional[bool] = None) -> type:

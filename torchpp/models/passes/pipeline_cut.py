@@ -7,12 +7,12 @@ stages become placeholders, in place (``torchpp.models.stages.cut_in_place``).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from torchpp.models.parallel_config import PipelineOptions
-from torchpp.models.passes.resolve import tied_parameters
+from torchpp.models.passes.resolve import tied_across_ends, tied_parameters
 from torchpp.models.passes.state import Placement, WrapState
 from torchpp.models.stages import PipelineLayout, cut_in_place, get_submodule
 
@@ -33,11 +33,13 @@ def apply_pipeline_cut(model: nn.Module, state: WrapState, options: PipelineOpti
     if ps.pp == 1:
         return model
     layout, where = state.layout, state.placement
+    state.tied_across = tied_across_ends(model, layout.before, layout.after, layout.shared)
     num_layers = len(get_submodule(model, layout.layers))
     split = options.split
     if isinstance(split, str) and split == "auto":
         split, state.stage_costs = _auto_split(model, layout, where.num_stages, ps.pp, where.rank_of)
     bounds = layer_bounds(num_layers, where.num_stages, split)
+    state.tied_layers = tied_across_layers(model, layout.layers, bounds, where.rank_of, ps.pp)
     state.stages = cut_in_place(model, layout, bounds, where.mine, state.hf)
     return model
 
@@ -85,3 +87,32 @@ def _auto_split(model: nn.Module, layout: PipelineLayout, num_stages: int, pp: i
     from torchpp.models.auto_split import auto_split
 
     return auto_split(model, num_stages, pp, rank_of, layout)
+
+
+def tied_across_layers(model: nn.Module, stack: str, bounds: Sequence[int], rank_of: Dict[int, int],
+                       pp: int) -> List[nn.Parameter]:
+    """Parameters that layers of stages on different pipeline ranks hold (Zamba's one attention block
+    shared by its hybrid layers), read before the cut: every rank lists the same. Their gradients are
+    summed over the pipeline, so every pipeline rank must hold one of those layers.
+
+    Raises:
+        PlanError: naming a parameter some pipeline rank's layers lack.
+    """
+    from bisect import bisect_right
+
+    from torchpp.tensor_parallel.styles import PlanError
+
+    ranks: Dict[int, set] = {}
+    found: Dict[int, Tuple[nn.Parameter, str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name.startswith(f"{stack}."):
+            layer = int(name[len(stack) + 1:].split(".", 1)[0])
+            ranks.setdefault(id(param), set()).add(rank_of[bisect_right(bounds, layer) - 1])
+            found.setdefault(id(param), (param, name))
+    across = [key for key, held in ranks.items() if len(held) > 1]
+    for key in across:
+        if len(ranks[key]) != pp:
+            raise PlanError(f"torchpp.parallelize: {found[key][1]} is shared by layers on pipeline ranks "
+                            f"{sorted(ranks[key])} but not on every pipeline rank: its gradient cannot be summed; "
+                            f"choose split= so that every stage holds one of those layers, or pass pp=1")
+    return [found[key][0] for key in across]

@@ -7,7 +7,7 @@ model that is no causal LM, a head count TP cannot divide) raises here, with the
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from torchpp import tensor_parallel as tp
 from torchpp.models.parallel_config import ParallelConfig
 from torchpp.models.passes.state import WrapState
 from torchpp.models.stages import get_submodule
-from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, text_config, user_plans
+from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, layout_around, text_config, user_plans
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel
 from torchpp.tensor_parallel.plan import resolve_plan
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
@@ -93,10 +93,17 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"torchpp.parallelize: plan={plan!r}: a plan is a dict of globs to styles or 'auto'")
-        from torchpp.models.auto_plan import auto_plans, divide_head_attributes
+        from torchpp.models.auto_plan import auto_plans, divide_head_attributes, find_stack
 
-        ps = state.parallel  # each split the rule picks is first tried at this tp
-        state.tp_plan, state.layout = auto_plans(model, ps.tp, tp_context(model, ps, False, False) if ps.tp > 1 else None)
+        ps = state.parallel
+        if ps.tp > 1:  # each split the rule picks is first tried at this tp
+            state.tp_plan, state.layout = auto_plans(model, ps.tp, tp_context(model, ps, False, False))
+        else:  # nothing to split: only the stack to cut (a layer the TP rule cannot decide does not matter)
+            state.tp_plan, state.layout = {}, layout_around(model, find_stack(model))
+        if ps.pp > 1:  # a stage must be able to start at any layer of the stack
+            from torchpp.models.stack_check import check_layers_chain
+
+            check_layers_chain(model, state.layout.layers, getattr(text_config(model), "vocab_size", 2))
         state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
     elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)
@@ -225,6 +232,22 @@ def tied_parameters(model: nn.Module) -> List[nn.Parameter]:
             holders[id(param)] = holders.get(id(param), 0) + 1
             params[id(param)] = param
     return [params[k] for k, n in holders.items() if n > 1]
+
+
+def tied_across_ends(model: nn.Module, before: List[str], after: List[str], shared: List[str]) -> List[nn.Parameter]:
+    """Tied parameters held by a module of the first stage (``before`` the stack) and one of the last
+    (``after`` it), none every stage runs (``shared``): their gradients are summed between the two
+    end stages. Read before the cut, so every rank lists the same ones in the same order (a head's
+    bias tied inside the head alone is not among them)."""
+    holders: Dict[int, Tuple[nn.Parameter, List[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), (param, []))[1].append(name)
+
+    def under(name: str, paths: List[str]) -> bool:
+        return any(name.startswith(f"{path}.") for path in paths)
+
+    return [param for param, names in holders.values() if len(names) > 1 and not any(under(n, shared) for n in names)
+            and any(under(n, before) for n in names) and any(under(n, after) for n in names)]
 
 
 def tied_names(model: nn.Module) -> Dict[str, str]:

@@ -60,27 +60,57 @@ def _group_end_stages(model: nn.Module, state: WrapState) -> None:
     ps, where, tied = state.parallel, state.placement, state.tied
     first, last = where.rank_of[0], where.rank_of[where.num_stages - 1]
     stage_shared = []
-    shared = _unique(p for path in state.layout.shared for p in get_submodule(model, path).parameters()
-                     if p.requires_grad)  # a frozen table (sinusoidal positions) gets no gradient to sum
+    summed = state.tied_layers + _held_by_ancestors(model, state.layout.layers)
+    shared = _unique([p for path in state.layout.shared for p in get_submodule(model, path).parameters()
+                      if p.requires_grad] + [p for p in summed if p.requires_grad])
+    # (a frozen table, sinusoidal positions, gets no gradient to sum; tied_layers: a block layers share)
     if shared:
         stage_shared.append((shared, ps.pp_group))
         if ps.pp_rank != first:  # the gradient norm counts them on the first stage's rank
             for param in shared:
                 param.shared_duplicate = True
     if first != last and where.num_pipelines == 1:
-        in_shared = {id(p) for p in shared}
-        embedding_tied = [p for p in tied if any(p is q for q in model.parameters()) and id(p) not in in_shared]
+        # The same list on every rank (read before the cut); the end ranks hold each of them.
+        held = {id(q) for q in model.parameters()}
+        embedding_tied = [p for p in state.tied_across if id(p) in held]
+        if state.tied_across or tied:
+            group = end_ranks_group(ps, first, last)  # collective: every rank creates it
         if embedding_tied:
-            model.embedding_group = end_ranks_group(ps, first, last)
+            model.embedding_group = group
             object.__setattr__(model, "_tied_copy", embedding_tied[0])  # not registered: a second name
-            stage_shared.append(([embedding_tied[0]], model.embedding_group))
+            stage_shared.append((embedding_tied, model.embedding_group))
             if where.num_stages - 1 in where.mine:  # after finish_grads both copies hold the same gradient
-                embedding_tied[0].shared_duplicate = True
-        elif tied:
-            end_ranks_group(ps, first, last)  # collective: every rank creates it
+                for param in embedding_tied:
+                    param.shared_duplicate = True
     if where.num_pipelines == 2:
         model.loss_group = end_ranks_group(ps, first, last)
+    for params, group in stage_shared:
+        _check_same_shapes(model, params, group)
     model._stage_shared = stage_shared
+
+
+def _check_same_shapes(model: nn.Module, params: List[nn.Parameter], group) -> None:
+    """Every rank of ``group`` sums the same parameters' gradients (names and shapes compared once,
+    here): a mismatch would kill a rank inside the collective (a gloo reset on the others)."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    mine = [(names.get(id(p), "?"), tuple(p.shape)) for p in params]
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if any([shape for _, shape in other] != [shape for _, shape in mine] for other in every):
+        ranks = dist.get_process_group_ranks(group)
+        raise RuntimeError("torchpp.parallelize: the pipeline ranks disagree on the parameters whose gradients they "
+                           "sum: " + "; ".join(f"rank {r}: {listed}" for r, listed in zip(ranks, every)))
+
+
+def _held_by_ancestors(model: nn.Module, stack: str) -> List[nn.Parameter]:
+    """Parameters the stack's ancestors hold themselves (Zaya's input scale, ``model.input_hidden_states_scale``):
+    no placeholder replaces them, so every pipeline rank keeps them and only the stage using them
+    gets a gradient: summed over the pipeline."""
+    params, path = [], stack
+    while path:
+        path = path.rpartition(".")[0]
+        params += list(get_submodule(model, path).parameters(recurse=False))
+    return params
 
 
 def _unique(params) -> List[nn.Parameter]:

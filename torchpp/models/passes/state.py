@@ -50,6 +50,8 @@ class WrapState:
         placement: the pipeline placement.
         overlap: (overlap forward and backward, the groups a failing step breaks).
         tied: parameters held by more than one module, before the cut.
+        tied_across: those held by a first-stage and a last-stage module (``resolve.tied_across_ends``).
+        tied_layers: those held by layers on several pipeline ranks (``pipeline_cut.tied_across_layers``).
         tied_names: {second name of a tied parameter: its first name}.
         stages: this rank's pipeline stages by model stage index.
         stage_costs: split="auto": the profiled per-stage F, I, W times the cost-aware
@@ -74,6 +76,8 @@ class WrapState:
     placement: Placement = field(default_factory=Placement)
     overlap: Tuple[bool, list] = (False, [])
     tied: List[nn.Parameter] = field(default_factory=list)
+    tied_across: List[nn.Parameter] = field(default_factory=list)
+    tied_layers: List[nn.Parameter] = field(default_factory=list)
     tied_names: Dict[str, str] = field(default_factory=dict)
     stages: Dict[int, ModelStage] = field(default_factory=dict)
     stage_costs: Any = None

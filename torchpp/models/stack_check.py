@@ -1,0 +1,91 @@
+"""Whether a pipeline can enter a model's stack of layers at a layer (plan="auto", pp > 1).
+
+A later stage swaps the hidden states it receives into its first layer's input. That is all the
+stage needs only if each layer's input is computed from the previous layer's output alone. A
+model whose forward adds around its layers (XLM: ``tensor = tensor + attentions[i](tensor)``,
+its layers spread over parallel ModuleLists) computes the next layer's input from this layer's
+input too, which the stage never receives: the cut would give wrong gradients, so it is refused;
+so is a stack whose layers run several times in one forward (Dory's recurrent loops).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from torchpp.models.autograd_walk import walk_back
+from torchpp.models.stages import get_submodule
+from torchpp.tensor_parallel.styles import PlanError
+
+TRACE_TOKENS = 8
+
+
+def _first_tensor(value) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(_first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return _first_tensor(list(value.values()))
+    return None
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return _tensors(list(value.values()))
+    return []
+
+
+def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
+    """Raises PlanError naming the first layer whose input is computed from the previous layer's
+    input other than through that layer's outputs (one traced forward on a few tokens).
+
+    Args:
+        model: the unwrapped transformers model (unchanged).
+        stack: path of its stack of layers.
+        vocab_size: token ids of the trace stay below it.
+    """
+    layers = list(get_submodule(model, stack))
+    inputs: Dict[int, torch.Tensor] = {}
+    calls: Dict[int, int] = {}
+    outputs: Dict[int, List[torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(layers):
+        def enter(module, args, kwargs, i=i):
+            calls[i] = calls.get(i, 0) + 1
+            inputs.setdefault(i, _first_tensor(list(args) + [kwargs.get("hidden_states")]))
+
+        def leave(module, args, output, i=i):
+            outputs.setdefault(i, _tensors(output))
+        hooks += [layer.register_forward_pre_hook(enter, with_kwargs=True), layer.register_forward_hook(leave)]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
+                                                        device_type=device.type):
+            model(input_ids=ids, use_cache=False)
+    except Exception:  # noqa: BLE001 - a model that cannot run here is not judged
+        return
+    finally:
+        for hook in hooks:
+            hook.remove()
+    looped = next((i for i, n in sorted(calls.items()) if n > 1), None)
+    if looped is not None:
+        raise PlanError(f"torchpp.parallelize(plan='auto'): {stack}.{looped} runs {calls[looped]} times in one forward "
+                        f"(the model loops over its layers): a pipeline stage runs each of its layers once; pass "
+                        f"plan= with a 'pp' part, or use pp=1")
+    for i in range(len(layers) - 1):
+        here, after = inputs.get(i), inputs.get(i + 1)
+        if here is None or after is None or here.grad_fn is None:
+            continue
+        walk = walk_back([after], entry=here.grad_fn, blocked=[t.grad_fn for t in outputs.get(i, []) if t.grad_fn])
+        if walk.entry:
+            raise PlanError(f"torchpp.parallelize(plan='auto'): the input of {stack}.{i + 1} is computed from "
+                            f"the input of {stack}.{i} besides its output (the model adds around its layers, or "
+                            f"spreads them over parallel lists): a pipeline stage cannot start at one of them; pass "
+                            f"plan= with a 'pp' part naming the layers, or use pp=1")
