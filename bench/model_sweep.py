@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
 TIMEOUT_S = 120
-# Fresh ranks after this many types: each check's init_parallel makes new gloo groups, whose
-# threads pile up in long-lived ranks (thousands after the plans table) until checks hang.
+# Fresh ranks after this many types: each check's groups are destroyed after it (tests/harness.py),
+# but a model type can leave other state in a rank (patched classes, import side effects).
 TYPES_PER_POOL = 8
 
 
@@ -194,7 +194,8 @@ def write_table(rows, path: str) -> None:
             "Every causal-LM type in transformers whose config lacks a tensor- or pipeline-parallel plan, wrapped",
             'with `parallelize(model, plan="auto")` (`torchpp.models.auto_plan`: the stack is the longest ModuleList',
             "no layer of another holds; linears reading a layer branch's input that feed the linear writing its output are split",
-            "by columns, the writer by rows; the rest stays replicated), checked as above. A failure shows the error:",
+            "by columns, the writer by rows, each group first tried on one layer in one process and kept whole where",
+            "its split fails or changes the output; the rest stays replicated), checked as above. A failure shows the error:",
             "where the rule cannot decide, it names the module.",
             "",
             f"**{_passing(auto)} of {len(auto)} types pass both**; sweep time {_minutes(auto):.1f} min (summed check "
