@@ -218,3 +218,11 @@ def test_elsewhere_shows_the_modules_own_tensors_without_memory():
     placeholder = Elsewhere("embed", True, torch.nn.Embedding(11, 6, dtype=torch.float64))
     assert placeholder.weight.shape == (11, 6) and placeholder.weight.dtype == torch.float64
     assert placeholder.weight.stride() == (0, 0) and not list(placeholder.parameters())
+
+
+def test_auto_plan_reads_head_counts_per_layer_of_a_heterogeneous_config():
+    # dots3_note's config holds its head counts per layer and refuses a model-wide read: the rule
+    # reads each layer's own, then names the module it cannot decide (its indexer's low-rank
+    # projection) instead of failing on the config.
+    with pytest.raises(PlanError, match=r"self_attn\.indexer\.wq_b neither reads"):
+        auto_plans(tiny_model("dots3_note"), tp=2)

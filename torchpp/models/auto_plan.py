@@ -105,9 +105,7 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
     if any(p.is_meta for p in model.parameters()):
         raise PlanError("torchpp.parallelize(plan='auto') runs the model once on a few tokens to read its structure; "
                         "a meta-device model cannot run: build it with weights, or pass plan=")
-    config = text_config(model)
-    heads = {getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads")} - {None}
-    traces = [_LayerTrace(layer, f"{stack}.{i}", heads) for i, layer in enumerate(layers)]
+    traces = [_LayerTrace(layer, f"{stack}.{i}", _layer_heads(text_config(model), i)) for i, layer in enumerate(layers)]
     vocab = getattr(text_config(model), "vocab_size", None) or 2
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % vocab).unsqueeze(0)
@@ -217,6 +215,16 @@ def _first_tensor(value) -> Optional[torch.Tensor]:
     if isinstance(value, dict):  # transformers' ModelOutput is one
         return _first_tensor(list(value.values()))
     return None
+
+
+def _layer_heads(config, index: int) -> set:
+    """The query and key/value head counts of layer ``index``: its own under a heterogeneous
+    config (transformers' per-layer configs refuse a model-wide read), else the model's."""
+    from torchpp.models.passes.resolve import config_value
+
+    if getattr(config, "is_heterogeneous", False):
+        config = config.per_layer_config[index]
+    return {config_value(config, key) for key in ("num_attention_heads", "num_key_value_heads")} - {None}
 
 
 class _LayerTrace:
