@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
 TIMEOUT_S = 120
-# Fresh ranks after this many types: each check's groups are destroyed after it (tests/harness.py),
-# but a model type can leave other state in a rank (patched classes, import side effects).
+# Fresh ranks after this many types: each check's groups are destroyed after it (_run), but a
+# model type can leave other state in a rank (patched classes, import side effects).
 TYPES_PER_POOL = 8
 
 
@@ -36,9 +36,12 @@ def _run(check: str, model_type: str, plan=None) -> str:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    import torchpp
     from torchpp.testing import model_checks
 
-    return getattr(model_checks, check)(model_type, plan=plan)
+    outcome = getattr(model_checks, check)(model_type, plan=plan)
+    torchpp.destroy_parallel()  # the check's groups (each holds threads) go before the next check's
+    return outcome
 
 
 def _first_line(error: str) -> str:

@@ -45,7 +45,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, backend:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    import torchpp
+    import torchpp  # noqa: F401
 
     while True:
         task = tasks.get()
@@ -53,10 +53,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, backend:
             break
         fn, args, kwargs = task
         try:
-            value = fn(*args, **kwargs)
-            if backend == "gloo":  # the test's groups (each holds threads) go before the next test's;
-                torchpp.destroy_parallel()  # under NCCL tests/gpu checks destroy_parallel on its own first
-            results.put((rank, "ok", value))
+            results.put((rank, "ok", fn(*args, **kwargs)))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()

@@ -2,8 +2,7 @@
 process on the same GPU (torchpp.testing checks, rtol 1e-5): context parallelism at cp=2 (ring
 and all-gather attention, both layouts), expert parallelism at ep=2 (Mixtral), ZeRO-3 at dp=2,
 a DCP checkpoint saved at tp=2 that reloads at tp=1 x dp=2 and continues the same run, and
-destroy_parallel freeing NCCL layouts (the CPU suite's harness destroys each test's layout; the
-NCCL pool leaves that to this test)."""
+destroy_parallel freeing NCCL layouts."""
 import torch
 
 from test_hf_checkpoint import _dcp_steps
