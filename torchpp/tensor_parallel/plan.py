@@ -18,7 +18,8 @@ from typing import Callable, Dict, List, Mapping, Optional
 from torch import nn
 
 from torchpp import ops
-from torchpp.tensor_parallel.styles import PlanError, TPContext, get_style, sum_grads_over_tp
+from torchpp.tensor_parallel.sharding import PlanError, TPContext, sum_grads_over_tp
+from torchpp.tensor_parallel.styles import get_style
 
 
 def glob_pattern(glob: str) -> "re.Pattern[str]":

@@ -7,6 +7,8 @@ each a few lines over ``torch.ops.torchpp``. A style shards the module's paramet
 (same Parameter objects, so ties hold; each records its ``tp_layout``) and, for modules, gives
 the module a TP forward: linears and embeddings get a class of their own (a subclass of their
 class, so ``isinstance`` and state-dict names are unchanged), other modules input/output hooks.
+Sharding a parameter and the gradient sums live in ``sharding``, the TP forwards of linears and
+embeddings in ``tp_forwards``.
 
 | style                          | parameters                      | forward                                  |
 |--------------------------------|---------------------------------|------------------------------------------|
@@ -28,260 +30,20 @@ class, so ``isinstance`` and state-dict names are unchanged), other modules inpu
 """
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from torchpp import ops
 from torchpp.tensor_parallel.layouts import HeadCopies, Layout, Packed, Replicated, Split
-from torchpp.tensor_parallel.utils import mark_tensor_parallel
+# PlanError and TPContext are imported from here by the plan code (their home is sharding.py).
+from torchpp.tensor_parallel.sharding import (PlanError, TPContext, full_shape, shard_parameter,
+                                              sum_grads_over_copies, sum_grads_over_tp)
+from torchpp.tensor_parallel.tp_forwards import (EmbeddingTP, LinearTP, TPConv1DForward, TPEmbeddingForward,
+                                                 TPLinearForward, _conv1d_class, _linear_kind, _out_dim,
+                                                 _swap_class)
 
-
-class PlanError(ValueError):
-    """A plan that cannot be applied to the model: the message names the entry and the value."""
-
-
-@dataclass
-class TPContext:
-    """What every style applied to one model shares."""
-
-    group: dist.ProcessGroup
-    sequence_parallel: bool = False
-    split_bw: bool = False
-    num_heads: Optional[int] = None  # query heads, to check head-aligned splits
-    num_kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    hooks: List[object] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return self.group.size()
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-
-# ---- sharding parameters in place --------------------------------------------------------------
-
-def shard_parameter(param: nn.Parameter, layout: Layout, ctx: TPContext, name: str) -> None:
-    """Replaces ``param``'s data by this rank's shard under ``layout`` (the same Parameter object,
-    so a tie to another module holds) and records the layout."""
-    if getattr(param, "tp_layout", None) is not None:
-        if repr(param.tp_layout) != repr(layout):  # a tied parameter reached twice must agree
-            raise PlanError(f"torchpp plan: {name} is sharded twice, as {param.tp_layout!r} and {layout!r}")
-        return
-    try:
-        local = layout.shard(param.detach(), ctx.rank, ctx.size)
-    except ValueError as error:
-        raise PlanError(f"torchpp plan: cannot shard {name} of shape {tuple(param.shape)} over tp={ctx.size}: "
-                        f"{error}") from None
-    with torch.no_grad():
-        param.data = local.clone() if param.is_meta else local.contiguous().clone()
-    param.tp_layout = layout
-    if layout.dim is not None:
-        mark_tensor_parallel(param, partition_dim=layout.dim % param.dim(), group_size=ctx.size)
-    if isinstance(layout, HeadCopies):
-        param.tp_replicas = layout.replicas
-        if ctx.rank % layout.replicas:
-            param.shared_duplicate = True  # the norm counts one copy of each head
-
-
-def full_shape(param: torch.Tensor, ctx: TPContext) -> torch.Size:
-    """The shape of ``param`` before sharding (a tied parameter may have been sharded already)."""
-    layout = getattr(param, "tp_layout", None)
-    return param.shape if layout is None or layout.dim is None else layout.full_shape(param.shape, ctx.size)
-
-
-def sum_grads_over_tp(param: nn.Parameter, ctx: TPContext) -> None:
-    """Marks ``param`` as replicated but applied to rank-local data (sequence slices, its own
-    heads): its gradients arrive partial on each TP rank and ``install_grad_hooks`` sums them
-    before they accumulate, so ``.grad`` is complete after every backward."""
-    param.tp_grad_sum = getattr(param, "tp_grad_sum", None) or "tp"
-    param.tp_layout = getattr(param, "tp_layout", None) or Replicated()
-
-
-def sum_grads_over_copies(param: nn.Parameter, ctx: TPContext) -> None:
-    """Marks a head copied onto ``param.tp_replicas`` consecutive TP ranks: each copy's share of
-    the gradient is summed over its copies (``install_grad_hooks``)."""
-    param.tp_grad_sum = "copies"
-
-
-def install_grad_hooks(module: nn.Module, ctx: TPContext) -> None:
-    """Registers the gradient sums ``sum_grads_over_tp`` and ``sum_grads_over_copies`` marked
-    (after the parameters have their final storage: a hook belongs to a tensor's storage)."""
-    group, rank, size = ctx.group, ctx.rank, ctx.size
-
-    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    def sum_copies(replicas: int):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            slots = grad.new_zeros((size // replicas,) + tuple(grad.shape))
-            slots[rank // replicas] = grad
-            dist.all_reduce(slots, group=group)  # one all-reduce; each rank adds into its head's slot
-            return slots[rank // replicas]
-        return hook
-
-    for param in module.parameters():
-        kind = getattr(param, "tp_grad_sum", None)
-        if kind is None or getattr(param, "_tp_grad_hooked", False):
-            continue
-        hook = all_reduce if kind == "tp" else sum_copies(param.tp_replicas)
-        ctx.hooks.append(param.register_hook(hook))
-        param._tp_grad_hooked = True
-
-
-# ---- TP forwards of linears and embeddings -----------------------------------------------------
-
-def _linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], split_bw: bool):
-    if split_bw:  # the weight gradient waits for the pipeline's W pass
-        from torchpp.pipeline.split_linear import split_bw_linear
-
-        return split_bw_linear(input, weight, bias)
-    return F.linear(input, weight, bias)
-
-
-@dataclass
-class LinearTP:
-    """A linear's TP behaviour (``module.tp``)."""
-
-    group: dist.ProcessGroup
-    column: bool  # output features split (else input features)
-    gather_output: bool = False
-    split_input: bool = False
-    out_features: Optional[int] = None  # full width, to trim padding after a gather
-    split_bw: bool = False
-    scatter_output: bool = False  # row split whose output keeps this rank's slice (per-head outputs)
-
-
-class TPLinearForward:
-    """The forward of a linear under a TP style (``module.tp`` says which)."""
-
-    tp: LinearTP
-    _splittable = True  # the split op defers the gradient of a leaf weight
-
-    def _tp_weight(self) -> torch.Tensor:
-        return self.weight
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        tp, weight = self.tp, self._tp_weight()
-        split_bw = tp.split_bw and self._splittable
-        if tp.column:
-            output = _linear(ops.copy_to_tp_region(input, tp.group), weight, self.bias, split_bw)
-            if tp.gather_output:
-                output = ops.gather_from_tp_region(output, tp.group, dim=-1)
-                if output.size(-1) != tp.out_features:
-                    output = output[..., : tp.out_features]  # padding rows of an uneven split
-            return output
-        if tp.split_input:
-            input = ops.scatter_to_tp_region(input, tp.group, dim=-1)
-        partial = _linear(input, weight, None, split_bw)
-        if tp.scatter_output:  # the sum of this rank's output features only (backward: all-gather)
-            output = ops.reduce_scatter_to_sp_region(partial, tp.group, dim=partial.dim() - 1)
-        else:
-            output = ops.reduce_from_tp_region(partial, tp.group)
-        return output if self.bias is None else output + self.bias
-
-
-class TPConv1DForward(TPLinearForward):
-    """transformers' Conv1D (weight [in, out]) under a TP style."""
-
-    _splittable = False  # W^T is not a leaf
-
-    def _tp_weight(self) -> torch.Tensor:
-        return self.weight.t()
-
-
-@dataclass
-class EmbeddingTP:
-    group: dist.ProcessGroup
-    vocab_parallel: bool  # rows split (else embedding columns)
-    vocab_start: int = 0
-    vocab_end: int = 0
-
-
-class TPEmbeddingForward:
-    """The forward of an nn.Embedding under a TP style."""
-
-    tp: EmbeddingTP
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        tp = self.tp
-        if not tp.vocab_parallel:
-            local = F.embedding(input, self.weight, self.padding_idx)
-            return ops.gather_from_tp_region(local, tp.group, dim=-1)
-        outside = (input < tp.vocab_start) | (input >= tp.vocab_end)
-        local_ids = (input - tp.vocab_start).masked_fill(outside, 0)
-        padding = self.padding_idx
-        padding = padding - tp.vocab_start if padding is not None and tp.vocab_start <= padding < tp.vocab_end else None
-        partial = F.embedding(local_ids, self.weight, padding).masked_fill(outside.unsqueeze(-1), 0.0)
-        return ops.reduce_from_tp_region(partial, tp.group)
-
-
-_CLASSES: Dict[Tuple[type, type], type] = {}  # (model's class, TP forward) -> its TP class
-_TP_BASES: Dict[Tuple[type, type], type] = {}  # (nn.Linear / nn.Embedding / Conv1D, TP forward) -> TP base
-
-
-def _calls_super_forward(cls: type, base: type) -> bool:
-    """Whether ``cls`` keeps ``base``'s forward: inherits it, or calls super().forward."""
-    forward = cls.forward
-    if forward is base.forward:
-        return True
-    try:
-        return "super().forward(" in inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
-
-
-def _swap_class(module: nn.Module, tp_forward: type, base: type, name: str, style: str) -> None:
-    """Gives ``module`` a subclass of its own class in which ``base``'s forward is
-    ``tp_forward``'s: a subclass whose forward calls ``super().forward`` (a scaled embedding)
-    keeps its own part, and ``isinstance`` and state-dict names are unchanged."""
-    cls = type(module)
-    if getattr(cls, "_torchpp_tp_class", False):
-        raise PlanError(f"torchpp plan: {name} has two styles; the second is {style!r}")
-    if not _calls_super_forward(cls, base):
-        raise PlanError(f"torchpp plan: style {style!r} on {name}: its class {cls.__name__} computes its own "
-                        f"forward, which the style cannot shard; give it a {base.__name__} forward or leave it "
-                        f"out of the plan")
-    key = (cls, tp_forward)
-    if key not in _CLASSES:
-        tp_base = _TP_BASES.setdefault((base, tp_forward), type(f"TP{base.__name__}", (tp_forward, base), {}))
-        bases = (tp_base,) if cls is base else (cls, tp_base)
-        _CLASSES[key] = type(f"TP{cls.__name__}", bases, {"_torchpp_tp_class": True, "__module__": cls.__module__})
-    module.__class__ = _CLASSES[key]
-
-
-def _conv1d_class():
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional
-        return None
-    return Conv1D
-
-
-def _linear_kind(module: nn.Module, name: str, style: str) -> str:
-    if isinstance(module, nn.Linear):
-        return "linear"
-    conv1d = _conv1d_class()
-    if conv1d is not None and isinstance(module, conv1d):
-        return "conv1d"
-    raise PlanError(f"torchpp plan: style {style!r} shards linear layers, but {name} is a {type(module).__name__}")
-
-
-def _out_dim(kind: str) -> int:
-    return 0 if kind == "linear" else 1  # Conv1D stores [in, out]
-
-
-# ---- the styles ---------------------------------------------------------------------------------
 
 class Style:
     """A TP style. ``apply`` shards a module and gives it its TP forward; ``apply_param`` shards a

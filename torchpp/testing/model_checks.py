@@ -15,7 +15,7 @@ from torch import nn
 
 import torchpp
 from torchpp.models import parallelize
-from torchpp.testing.tiny_models import tiny_model
+from torchpp.testing.tiny_models import RANDOM_IN_TRAINING, tiny_model
 
 import contextlib
 import functools
@@ -254,6 +254,8 @@ def check_pp(model_type: str, pp: int = 2, schedule: str = "zb-h1", n_microbatch
 def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: int, plan, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, pp=pp)
     model = tiny_model(model_type, **extra)
+    if model_type in RANDOM_IN_TRAINING:  # a microbatch would draw other numbers than the whole batch
+        model.eval()
     reference = copy.deepcopy(model).to(state.device)
     ids, labels = (t.to(state.device) for t in batch(model.config.get_text_config().vocab_size))
     ref_loss, _, ref_grads = _reference(reference, ids, labels)
@@ -309,6 +311,8 @@ def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode
 
     state = torchpp.init_parallel(tp=tp, pp=pp, cp=cp, dp=dp)
     model = tiny_model(model_type, **extra)
+    if model_type in RANDOM_IN_TRAINING:  # a microbatch would draw other numbers than the whole batch
+        model.eval()
     reference = copy.deepcopy(model).to(state.device)
     ids, labels = (t.to(state.device) for t in batch(model.config.get_text_config().vocab_size, seq_len=seq_len))
     positions = packed_positions(ids.size(0), seq_len).to(state.device) if packed else None

@@ -129,9 +129,10 @@ NOT_PIPELINED: Dict[str, str] = {
                 "per step, and its base_model_pp_plan names a `layers` module HrmTextModel does not have: transformers "
                 "itself cannot pipeline it",
 }
-# Types whose training-mode forward draws random numbers no config turns off: the checks run them in
-# eval mode (gradients flow the same), else no two runs would agree. Type -> why.
-EVAL_MODE: Dict[str, str] = {
+# Types whose training-mode forward draws random numbers no config turns off. The TP check draws them
+# as the reference did (fork_rng); the microbatched checks (pp, cp) run them in eval mode (gradients
+# flow the same), since a microbatch draws other numbers than the whole batch. Type -> why.
+RANDOM_IN_TRAINING: Dict[str, str] = {
     "phimoe": "its router samples experts with Gumbel noise in training mode (sparsemixer)",
 }
 DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate")
@@ -297,8 +298,7 @@ def tiny_config(model_type: str, num_layers: int = NUM_LAYERS, **extra):
 def tiny_model(model_type: str, *, seed: int = 1234, dtype: torch.dtype = torch.float64, causal_lm: Optional[bool] = None,
                jitter: float = 0.02, **extra) -> nn.Module:
     """The same random tiny model on every rank: a causal LM where the type has one (else its
-    base model), in ``dtype``, in training mode (dropout is off in the config; ``EVAL_MODE``'s
-    types in eval mode).
+    base model), in ``dtype``, in training mode (dropout is off in the config).
 
     Args:
         model_type: a transformers model type (see ``causal_lm_types``).
@@ -326,7 +326,7 @@ def tiny_model(model_type: str, *, seed: int = 1234, dtype: torch.dtype = torch.
                 if param.numel() and bool(param.min() == param.max()):
                     noise = torch.randn(param.shape, generator=generator, dtype=torch.float64)
                     param.add_((jitter * noise).to(param.dtype))
-    return model.eval() if model_type in EVAL_MODE else model.train()
+    return model.train()
 
 
 def _config_for(cls: type, config):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from torchpp.models.passes.state import WrapState
-from torchpp.tensor_parallel.styles import install_grad_hooks
+from torchpp.tensor_parallel.sharding import install_grad_hooks
 
 
 def apply_materialize(model: nn.Module, state: WrapState) -> nn.Module:

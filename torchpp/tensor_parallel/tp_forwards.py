@@ -1,0 +1,156 @@
+"""The TP forwards of linears (nn.Linear, transformers' Conv1D) and embeddings, and the class
+swap that gives a module one: a subclass of its own class, so ``isinstance`` and state-dict
+names are unchanged and a subclass that calls ``super().forward`` keeps its own part."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from torchpp import ops
+from torchpp.tensor_parallel.sharding import PlanError
+
+
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], split_bw: bool):
+    if split_bw:  # the weight gradient waits for the pipeline's W pass
+        from torchpp.pipeline.split_linear import split_bw_linear
+
+        return split_bw_linear(input, weight, bias)
+    return F.linear(input, weight, bias)
+
+
+@dataclass
+class LinearTP:
+    """A linear's TP behaviour (``module.tp``)."""
+
+    group: dist.ProcessGroup
+    column: bool  # output features split (else input features)
+    gather_output: bool = False
+    split_input: bool = False
+    out_features: Optional[int] = None  # full width, to trim padding after a gather
+    split_bw: bool = False
+    scatter_output: bool = False  # row split whose output keeps this rank's slice (per-head outputs)
+
+
+class TPLinearForward:
+    """The forward of a linear under a TP style (``module.tp`` says which)."""
+
+    tp: LinearTP
+    _splittable = True  # the split op defers the gradient of a leaf weight
+
+    def _tp_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        tp, weight = self.tp, self._tp_weight()
+        split_bw = tp.split_bw and self._splittable
+        if tp.column:
+            output = _linear(ops.copy_to_tp_region(input, tp.group), weight, self.bias, split_bw)
+            if tp.gather_output:
+                output = ops.gather_from_tp_region(output, tp.group, dim=-1)
+                if output.size(-1) != tp.out_features:
+                    output = output[..., : tp.out_features]  # padding rows of an uneven split
+            return output
+        if tp.split_input:
+            input = ops.scatter_to_tp_region(input, tp.group, dim=-1)
+        partial = _linear(input, weight, None, split_bw)
+        if tp.scatter_output:  # the sum of this rank's output features only (backward: all-gather)
+            output = ops.reduce_scatter_to_sp_region(partial, tp.group, dim=partial.dim() - 1)
+        else:
+            output = ops.reduce_from_tp_region(partial, tp.group)
+        return output if self.bias is None else output + self.bias
+
+
+class TPConv1DForward(TPLinearForward):
+    """transformers' Conv1D (weight [in, out]) under a TP style."""
+
+    _splittable = False  # W^T is not a leaf
+
+    def _tp_weight(self) -> torch.Tensor:
+        return self.weight.t()
+
+
+@dataclass
+class EmbeddingTP:
+    group: dist.ProcessGroup
+    vocab_parallel: bool  # rows split (else embedding columns)
+    vocab_start: int = 0
+    vocab_end: int = 0
+
+
+class TPEmbeddingForward:
+    """The forward of an nn.Embedding under a TP style."""
+
+    tp: EmbeddingTP
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        tp = self.tp
+        if not tp.vocab_parallel:
+            local = F.embedding(input, self.weight, self.padding_idx)
+            return ops.gather_from_tp_region(local, tp.group, dim=-1)
+        outside = (input < tp.vocab_start) | (input >= tp.vocab_end)
+        local_ids = (input - tp.vocab_start).masked_fill(outside, 0)
+        padding = self.padding_idx
+        padding = padding - tp.vocab_start if padding is not None and tp.vocab_start <= padding < tp.vocab_end else None
+        partial = F.embedding(local_ids, self.weight, padding).masked_fill(outside.unsqueeze(-1), 0.0)
+        return ops.reduce_from_tp_region(partial, tp.group)
+
+
+_CLASSES: Dict[Tuple[type, type], type] = {}  # (model's class, TP forward) -> its TP class
+_TP_BASES: Dict[Tuple[type, type], type] = {}  # (nn.Linear / nn.Embedding / Conv1D, TP forward) -> TP base
+
+
+def _calls_super_forward(cls: type, base: type) -> bool:
+    """Whether ``cls`` keeps ``base``'s forward: inherits it, or calls super().forward."""
+    forward = cls.forward
+    if forward is base.forward:
+        return True
+    try:
+        return "super().forward(" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _swap_class(module: nn.Module, tp_forward: type, base: type, name: str, style: str) -> None:
+    """Gives ``module`` a subclass of its own class in which ``base``'s forward is
+    ``tp_forward``'s: a subclass whose forward calls ``super().forward`` (a scaled embedding)
+    keeps its own part, and ``isinstance`` and state-dict names are unchanged."""
+    cls = type(module)
+    if getattr(cls, "_torchpp_tp_class", False):
+        raise PlanError(f"torchpp plan: {name} has two styles; the second is {style!r}")
+    if not _calls_super_forward(cls, base):
+        raise PlanError(f"torchpp plan: style {style!r} on {name}: its class {cls.__name__} computes its own "
+                        f"forward, which the style cannot shard; give it a {base.__name__} forward or leave it "
+                        f"out of the plan")
+    key = (cls, tp_forward)
+    if key not in _CLASSES:
+        tp_base = _TP_BASES.setdefault((base, tp_forward), type(f"TP{base.__name__}", (tp_forward, base), {}))
+        bases = (tp_base,) if cls is base else (cls, tp_base)
+        _CLASSES[key] = type(f"TP{cls.__name__}", bases, {"_torchpp_tp_class": True, "__module__": cls.__module__})
+    module.__class__ = _CLASSES[key]
+
+
+def _conv1d_class():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers is optional
+        return None
+    return Conv1D
+
+
+def _linear_kind(module: nn.Module, name: str, style: str) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return "conv1d"
+    raise PlanError(f"torchpp plan: style {style!r} shards linear layers, but {name} is a {type(module).__name__}")
+
+
+def _out_dim(kind: str) -> int:
+    return 0 if kind == "linear" else 1  # Conv1D stores [in, out]
