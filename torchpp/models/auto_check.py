@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from torchpp.tensor_parallel.styles import STYLES, TPContext
+from torchpp.tensor_parallel.random import rng_restored
 
 # |sum of the ranks' writer outputs - the unsplit one| allowed, relative to its scale, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -155,7 +156,7 @@ def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) 
         lambda module, inputs, output: seen.append(output) if not seen else None)
     try:
         device = next((p.device for p in layer.parameters()), torch.device("cpu"))
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type), \
+        with rng_restored(device), \
                 torch.enable_grad():
             output = layer(*args, **kwargs)
     finally:

@@ -34,6 +34,7 @@ from torchpp.models.autograd_walk import leaving_no_history, walk_back
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.styles import PlanError, TPContext
+from torchpp.tensor_parallel.random import rng_restored
 
 LOG = logging.getLogger("torchpp")
 TRACE_TOKENS = 8
@@ -75,8 +76,7 @@ def _running_lists(model: nn.Module, lists) -> set:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % (getattr(text_config(model), "vocab_size", None) or 2))
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
-                                                    device_type=device.type):
+        with torch.no_grad(), rng_restored(device):
             model(input_ids=ids.unsqueeze(0), use_cache=False)
     except Exception:  # noqa: BLE001 - judged by registration alone
         return set()
@@ -110,8 +110,7 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % vocab).unsqueeze(0)
     try:
-        with torch.enable_grad(), leaving_no_history(model), torch.random.fork_rng(
-                devices=[] if device.type == "cpu" else [device], device_type=device.type):
+        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
             model(input_ids=ids, use_cache=False)
     finally:
         for trace in traces:

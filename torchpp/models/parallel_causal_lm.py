@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torchpp import tensor_parallel as tp
 from torchpp.models.parallel_model import ParallelMixin
 from torchpp.models.plans import text_config
+from torchpp.tensor_parallel.random import rng_restored
 
 IGNORE_INDEX = -100
 
@@ -49,7 +50,7 @@ def model_shifts_labels(model, vocab_size: int) -> bool:
     generator = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, vocab_size, (2, 1, 8), generator=generator).to(device)
     try:
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+        with rng_restored(device):
             out = model(input_ids=ids, labels=labels, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot run here: transformers' convention
         return True

@@ -27,6 +27,7 @@ from torch import nn
 
 from torchpp.models.autograd_walk import walk_back
 from torchpp.models.stages import PipelineLayout, get_submodule
+from torchpp.tensor_parallel.random import rng_restored
 
 TRACE_TOKENS = 8
 
@@ -116,9 +117,8 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
         hooks.append(layer.register_forward_hook(on_layer_exit(index), with_kwargs=True))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
-    devices = [device] if device.type not in ("cpu", "meta") else []
     try:  # the trace draws no random numbers the training would (dropout): the streams are restored
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices, device_type=device.type):
+        with torch.enable_grad(), rng_restored(device):
             model(input_ids=ids, use_cache=False)
     finally:
         for hook in hooks:

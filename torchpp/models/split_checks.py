@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from torchpp.models.autograd_walk import leaving_no_history, walk_back
+from torchpp.tensor_parallel.random import rng_restored
 
 # Fused readers split part by part feed a row split too (a group that gathers splits them plainly).
 COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise")
@@ -42,8 +43,7 @@ def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str],
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     try:
-        with torch.enable_grad(), leaving_no_history(model), torch.random.fork_rng(
-                devices=[] if device.type == "cpu" else [device], device_type=device.type):
+        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
             model(input_ids=ids, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot run here keeps its plan
         return dict(resolved)

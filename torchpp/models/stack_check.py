@@ -17,6 +17,7 @@ from torch import nn
 from torchpp.models.autograd_walk import walk_back
 from torchpp.models.stages import get_submodule
 from torchpp.tensor_parallel.styles import PlanError
+from torchpp.tensor_parallel.random import rng_restored
 
 TRACE_TOKENS = 8
 
@@ -66,8 +67,7 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
-                                                        device_type=device.type):
+        with torch.enable_grad(), rng_restored(device):
             model(input_ids=ids, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot run here is not judged
         return

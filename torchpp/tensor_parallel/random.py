@@ -115,3 +115,10 @@ def model_parallel_manual_seed(seed: int, tp_rank: int, pp_rank: int = 0) -> Non
     tracker.reset()
     torch.manual_seed(default_seed)
     tracker.add(TP_RNG_STATE, default_seed + TP_SEED_OFFSET + tp_rank)
+
+
+def rng_restored(device: torch.device) -> contextlib.AbstractContextManager:
+    """Random draws inside leave the CPU's and ``device``'s generators as they were: a trial or
+    reference forward must not shift what the real one draws (dropout, a sampling router)."""
+    devices = [device] if device.type not in ("cpu", "meta") else []
+    return torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda")

@@ -10,12 +10,12 @@ import copy
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import torchpp
 from torchpp.models import parallelize
 from torchpp.testing.tiny_models import RANDOM_IN_TRAINING, tiny_model
+from torchpp.tensor_parallel.random import rng_restored
 
 import contextlib
 import functools
@@ -219,8 +219,7 @@ def _check_tp(model_type: str, tp: int, sequence_parallel: bool, plan, **extra) 
     reference = copy.deepcopy(model).to(state.device)
     ids, labels = (t.to(state.device) for t in batch(model.config.get_text_config().vocab_size))
     # The wrapped model draws what the reference drew (PhiMoE's router samples experts in training).
-    with torch.random.fork_rng(devices=[] if state.device.type == "cpu" else [state.device],
-                               device_type=state.device.type):
+    with rng_restored(state.device):
         ref_loss, ref_output, ref_grads = _reference(reference, ids, labels)
     _sgd(reference.parameters())
     wrapped = parallelize(model, state=state, sequence_parallel=sequence_parallel, plan=plan)
