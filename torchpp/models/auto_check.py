@@ -35,7 +35,7 @@ def keep_groups_that_split(traces, groups: List[List[Dict[str, str]]], ctx: TPCo
         ctx: the TP context (size and head counts) to simulate.
 
     Returns:
-        (the groups kept, {writer: why its group stays whole}).
+        (the groups kept, {writer: its readers and why their group stays whole}).
     """
     answers: Dict[tuple, Tuple[Optional[Dict[str, str]], str]] = {}
     kept, whole = [], {}
@@ -48,7 +48,9 @@ def keep_groups_that_split(traces, groups: List[List[Dict[str, str]]], ctx: TPCo
                 answers[key] = _first_that_holds(trace.layer, trace.call, relative, ctx)
             holding, why = answers[key]
             if holding is None:
-                whole[_writer(group)] = why
+                readers = ", ".join(n for n, s in relative.items() if s.startswith(("colwise", "packed"))
+                                    and isinstance(_get(trace.layer, n), nn.Module))
+                whole[_writer(group)] = f"with its readers {readers}: {why}"
             else:
                 mine.append({f"{trace.path}.{name}": style for name, style in holding.items()})
         kept.append(mine)
@@ -149,10 +151,11 @@ def _detached(call):
 
 def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) -> Optional[torch.Tensor]:
     """The writer's first output when ``layer`` runs on the traced call (and, with ``backward``,
-    after a backward through the layer: a split that breaks only the backward fails here)."""
+    after a backward through the layer: a split that breaks only the backward fails here); copied
+    as it leaves the writer, before an in-place op adds to it (Falcon's parallel attention)."""
     seen: List[torch.Tensor] = []
     hook = layer.get_submodule(writer).register_forward_hook(
-        lambda module, inputs, output: seen.append(output) if not seen else None)
+        lambda module, inputs, output: seen.append(output.detach().clone()) if not seen else None)
     try:
         device = next((p.device for p in layer.parameters()), torch.device("cpu"))
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type), \
@@ -166,7 +169,7 @@ def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) 
         out = _first_tensor(output)
         if out is not None and out.requires_grad:
             out.sum().backward()
-    return seen[0].detach() if seen else None
+    return seen[0] if seen else None
 
 
 def _shard(layer: nn.Module, group: Dict[str, str], ctx: TPContext, rank: int) -> None:

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import leaving_no_history, walk_back
+from torchpp.models.autograd_walk import history, leaving_no_history, walk_back
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.styles import PlanError, TPContext
@@ -117,28 +117,78 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
         for trace in traces:
             trace.remove()
     groups = [trace.decide() for trace in traces]
-    whole: Dict[str, str] = {}  # writer -> why its group stays whole
+    whole = {f"{trace.path}.{name}": why for trace in traces for name, why in trace.whole.items()}
     if ctx is not None or tp > 1:
         from torchpp.models.auto_check import keep_groups_that_split, sized_context
 
-        groups, whole = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
+        groups, failing = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
+        whole.update(failing)
     plan: Dict[str, str] = {name: style for layer_groups in groups for group in layer_groups
                             for name, style in group.items()}
     if not plan:
-        why = "".join(f"; {writer} stays whole: {reason}" for writer, reason in list(whole.items())[:2])
-        raise PlanError(f"torchpp.parallelize(plan='auto'): no layer of {stack} has an nn.Linear reading its residual "
-                        f"stream that feeds one writing back into it{why}: nothing to split; pass plan=")
+        _raise_nothing_to_split(stack, tp, whole)
     plan, whole = _as_globs(plan, stack, len(layers)), _as_globs(whole, stack, len(layers))
-    LOG.info("torchpp.parallelize(plan='auto') for %s:\n%s", type(model).__name__,
-             describe_plan(plan, stack, whole))
+    LOG.info("torchpp.parallelize(plan='auto') for %s:\n%s\n  linears split per layer: %s", type(model).__name__,
+             describe_plan(plan, stack, whole), split_counts(model, stack, lambda name, _: _planned(name, plan)))
     return plan, layout_around(model, stack)
 
 
+def _raise_nothing_to_split(stack: str, tp: int, whole: Dict[str, str]) -> None:
+    """A wrap that splits nothing gives nothing over tp: the first module kept whole says why."""
+    if not whole:
+        raise PlanError(f"torchpp.parallelize(plan='auto'): no layer of {stack} has an nn.Linear reading its residual "
+                        f"stream that feeds one writing back into it: nothing to split; pass plan=")
+    groups = [(name, why) for name, why in whole.items() if why.startswith("with its readers")]
+    name, why = (groups or list(whole.items()))[0]  # a group that would split, else the first linear
+    more = f" (and {len(whole) - 1} more kept whole)" if len(whole) > 1 else ""
+    raise PlanError(f"torchpp.parallelize(plan='auto'): nothing in {stack} can be split{f' over tp={tp}' if tp > 1 else ''} (no "
+                    f"nn.Linear reading its residual stream feeds one writing back into it that splits): {name} stays "
+                    f"whole: {why}{more}; pass plan=")
+
+
 def describe_plan(plan: Dict[str, str], stack: str, whole: Optional[Dict[str, str]] = None) -> str:
-    """One line per entry, the groups kept whole and why, and the stack the pipeline cuts."""
+    """One line per entry, one per module kept whole (replicated) and why, and the stack the pipeline cuts."""
     lines = [f"  {name}: {style}" for name, style in sorted(plan.items())]
-    lines += [f"  {writer} and its readers: whole ({reason})" for writer, reason in sorted((whole or {}).items())]
+    lines += [f"  {name}: kept whole ({reason})" for name, reason in _brace_layers(whole or {}, stack)]
     return "\n".join(lines + [f"  pipeline stack: {stack}"])
+
+
+def _brace_layers(entries: Dict[str, str], stack: str) -> List[Tuple[str, str]]:
+    """Entries alike but for the layer index in one line: ``stack.{0,2}.name`` (a hybrid's layers of one kind)."""
+    indices: Dict[Tuple[str, str], List[str]] = {}
+    for name, text in entries.items():
+        index, _, rest = name[len(stack) + 1:].partition(".")
+        indices.setdefault((rest, text), []).append(index)
+    return sorted((f"{stack}.{ids[0] if len(ids) == 1 else '{' + ','.join(ids) + '}'}.{rest}", text)
+                  for (rest, text), ids in indices.items())
+
+
+def split_counts(model: nn.Module, stack: str, is_split) -> str:
+    """How many of each layer's linears are split, per layer class of the stack: ``"Block 4/6"``
+    (``"Block 0-4/6"`` where layers of one class differ).
+
+    Args:
+        model: the model (wrapped or not).
+        stack: the path of its layers.
+        is_split: (linear's name in the model, the linear) -> whether it is split.
+    """
+    per_class: Dict[str, List[Tuple[int, int]]] = {}
+    for i, layer in enumerate(get_submodule(model, stack)):
+        names = [f"{stack}.{i}.{name}" for name, module in layer.named_modules() if _is_linear(module)]
+        modules = dict(layer.named_modules())
+        split = sum(bool(is_split(name, modules[name[len(f"{stack}.{i}."):]])) for name in names)
+        per_class.setdefault(type(layer).__name__, []).append((split, len(names)))
+    parts = []
+    for kind, counts in per_class.items():
+        low, high, total = min(c[0] for c in counts), max(c[0] for c in counts), max(c[1] for c in counts)
+        parts.append(f"{kind} {low if low == high else f'{low}-{high}'}/{total}")
+    return ", ".join(parts)
+
+
+def _planned(name: str, plan: Dict[str, str]) -> bool:
+    """Whether a plan of globs splits the module ``name``."""
+    return any(style != "replicated_with_grad_allreduce" and re.fullmatch(_glob_regex(glob), name)
+               for glob, style in plan.items())
 
 
 def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContext) -> None:
@@ -178,9 +228,9 @@ PACKED_STYLES = {2: "packed_colwise", 3: "packed3_colwise"}
 
 
 def _is_linear(module: nn.Module) -> bool:
-    """nn.Linear, or transformers' Conv1D (GPT-2's linears, weight [in, out])."""
-    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and getattr(module, "weight", None)
-                                             is not None and module.weight.dim() == 2)
+    """nn.Linear, or transformers' Conv1D (GPT-2's linears, weight [in, out]; also once a TP class is swapped in)."""
+    return isinstance(module, nn.Linear) or (any(c.__name__ == "Conv1D" for c in type(module).__mro__) and
+                                             getattr(module, "weight", None) is not None and module.weight.dim() == 2)
 
 
 def _packed_outputs(nodes, outputs: Dict[int, str]) -> Dict[str, int]:
@@ -236,6 +286,9 @@ class _LayerTrace:
         self.input: Optional[torch.Tensor] = None
         self.output: Optional[torch.Tensor] = None
         self.linears: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        # What made the layer's input and output and each linear's, recorded as they ran (autograd_walk.history).
+        self.entry = self.exit = None
+        self.made: Dict[str, Tuple[object, object]] = {}
         self.owners: Dict[int, str] = {}  # id of a parameter -> the module holding it (not a linear)
         self._params = [p for name, m in layer.named_modules() if name and not _is_linear(m)
                         for p in m.parameters(recurse=False)]
@@ -251,15 +304,19 @@ class _LayerTrace:
     def _enter(self, module, args, kwargs):
         if self.input is None:
             self.input = _first_tensor(list(args) + [kwargs.get("hidden_states")])
+            self.entry = history(self.input)
             self.call = (args, kwargs)  # what the split check (auto_check) calls the layer with
 
     def _leave(self, module, args, output):
         if self.output is None:
             self.output = _first_tensor(output)
+            self.exit = history(self.output)
 
     def _linear(self, name):
         def hook(module, args, output):
-            self.linears.setdefault(name, (_first_tensor(args), _first_tensor(output)))
+            if name not in self.linears:
+                self.linears[name] = (_first_tensor(args), _first_tensor(output))
+                self.made[name] = tuple(map(history, self.linears[name]))
         return hook
 
     def remove(self) -> None:
@@ -267,15 +324,17 @@ class _LayerTrace:
             hook.remove()
 
     def decide(self) -> List[Dict[str, str]]:
-        """The layer's split groups: each a writer, the readers feeding it and what lies between."""
+        """The layer's split groups: each a writer, the readers feeding it and what lies between.
+        What stays whole, and why in a line, is left in ``self.whole`` (names relative to the layer)."""
+        self.whole: Dict[str, str] = {}
         if self.input is None or self.output is None or not self.linears:
             return []
-        outputs = {id(out.grad_fn): name for name, (_, out) in self.linears.items()
-                   if out is not None and out.grad_fn is not None}
-        entry = self.input.grad_fn
-        reaching_output = walk_back([self.output], outputs, entry).reached  # last linears before the output
+        outputs = {id(out): name for name, (_, out) in self.made.items()
+                   if out is not None and not isinstance(out, torch.Tensor)}
+        entry = self.entry if not isinstance(self.entry, torch.Tensor) else None
+        reaching_output = walk_back([self.exit], outputs, entry).reached  # last linears before the output
         seen, packed = {}, {}
-        for name, (inp, _) in self.linears.items():
+        for name, (inp, _) in self.made.items():
             walk = walk_back([inp], outputs, entry)
             seen[name] = (walk.reached, walk.entry, walk.params)
             packed.update(_packed_outputs(walk.nodes, outputs))
@@ -284,15 +343,13 @@ class _LayerTrace:
                    and before <= reaching_output}
         writers = {n for n in reaching_output if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output}
         colwise = set().union(*(seen[w][0] for w in writers)) if writers else set()
-        undecided = sorted((set(self.linears) - readers - reaching_output) | (colwise & reaching_output)
-                           | {n for n in reaching_output - writers if n not in readers})
-        if undecided:
-            raise PlanError(f"torchpp.parallelize(plan='auto'): {undecided[0]} neither reads {self.path}'s residual "
-                            f"stream nor writes back into it alone (it sits between other linears, or its output "
-                            f"goes two ways): the rule cannot decide how to split it; pass plan=")
+        undecided = {n: self._why_undecided(n, seen, readers, reaching_output, writers)
+                     for n in sorted((set(self.linears) - readers - reaching_output) | (colwise & reaching_output)
+                                     | {n for n in reaching_output - writers if n not in readers})}
+        self.whole.update({self._relative(n): why for n, why in undecided.items()})
         groups: List[Dict[str, str]] = []
         params = {id(p): p for p in self._params}
-        for w in sorted(writers):
+        for w in sorted(set(writers) - set(self._unsafe_writers(writers, seen, undecided))):
             plan: Dict[str, str] = {}
             groups.append(plan)
             between = [params[i] for i in seen[w][2] if i in self.owners]
@@ -311,4 +368,60 @@ class _LayerTrace:
             plan.update({self.param_names[id(p)]: "colwise" for p in per_head})
             plan.update({self.owners[id(p)]: "replicated_with_grad_allreduce" for p in between
                          if not any(p is q for q in per_head)})
+        self._name_lone_readers(readers - colwise - set(undecided), seen, undecided, reaching_output)
         return groups
+
+    def _name_lone_readers(self, lone, seen, undecided: Dict[str, str], reaching_output) -> None:
+        """Why readers feeding no writer stay whole (recorded in ``self.whole``)."""
+        for r in sorted(lone):
+            reader_of = sorted(n for n in undecided if r in seen[n][0])
+            self.whole[self._relative(r)] = (
+                f"its output is read by {self._relative(reader_of[0])}, kept whole" if reader_of else
+                "writes back into the residual stream itself (no linear after it to split by rows)"
+                if r in reaching_output else "feeds no linear writing back into the residual stream")
+
+    def _relative(self, name: str) -> str:
+        return name[len(self.path) + 1:]
+
+    def _why_undecided(self, name, seen, readers, reaching_output, writers) -> str:
+        """Why the rule cannot split ``name``, in a line (names relative to the layer)."""
+        before = sorted(seen[name][0])
+        if name in readers:  # a reader whose output feeds a writer and also the residual stream
+            fed = next(w for w in sorted(writers) if name in seen[w][0])
+            return f"its output goes two ways: into {self._relative(fed)} and back into the residual stream"
+        inner = [b for b in before if b not in readers or b in reaching_output]
+        if name not in reaching_output:
+            source = next(iter(inner or before), None)
+            return (f"sits between linears: reads {self._relative(source)}'s output, not the residual stream"
+                    if source else "reads neither the residual stream nor another linear")
+        if seen[name][1] and before:
+            return "writes back into the residual stream from it and from other linears at once"
+        if inner:
+            return f"writes back into the residual stream from {self._relative(inner[0])}, which does not read it alone"
+        return "writes back into the residual stream from no linear reading it"
+
+    def _unsafe_writers(self, writers, seen, undecided: Dict[str, str]) -> List[str]:
+        """Writers whose group must stay whole (recorded in ``self.whole``): one of its readers is
+        undecided, or a linear kept whole reads a reader's output (it would see a shard), or the group
+        shares a reader with such a group (a reader is split for all the writers it feeds, or none)."""
+        reads = {n: before for n, (before, _, _) in seen.items()}
+        unsafe: Dict[str, str] = {}
+        for w in sorted(writers):
+            inside = sorted(seen[w][0] & set(undecided))
+            fed = sorted((n, r) for n in undecided for r in reads[n] & seen[w][0] if n not in seen[w][0])
+            if inside:
+                unsafe[w] = f"its reader {self._relative(inside[0])} stays whole"
+            elif fed:
+                unsafe[w] = (f"{self._relative(fed[0][0])}, kept whole, reads its reader "
+                             f"{self._relative(fed[0][1])}'s output")
+        changed = True
+        while changed:  # groups sharing a reader with one kept whole stay whole too
+            changed = False
+            for w in sorted(set(writers) - set(unsafe)):
+                shared = next((v for v in sorted(unsafe) if v in writers and seen[v][0] & seen[w][0]), None)
+                if shared is not None:
+                    unsafe[w], changed = f"shares a reader with {self._relative(shared)}, kept whole", True
+        for w, why in unsafe.items():
+            readers = ", ".join(self._relative(r) for r in sorted(seen[w][0]))
+            self.whole[self._relative(w)] = f"with its readers {readers}: {why}"
+        return list(unsafe)
