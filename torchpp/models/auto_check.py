@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchpp.tensor_parallel.styles import STYLES, TPContext
+from torchpp.tensor_parallel.styles import STYLES, PlanError, TPContext, check_own_forward
 
 # |sum of the ranks' writer outputs - the unsplit one| allowed, relative to its scale, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -104,6 +104,13 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
     """None if ``layer`` with ``group`` split over ``ctx.size`` simulated ranks gives the unsplit
     writer output (summed over ranks); else why not, in a line."""
     writer = _writer(group)
+    for name, style in group.items():
+        target = _get(layer, name)
+        if isinstance(target, nn.Module) and style != "replicated_with_grad_allreduce":
+            try:
+                check_own_forward(target, None, name, style)
+            except PlanError:  # parallelize would refuse the style on it
+                return f"{name}'s class {type(target).__name__} computes its own forward, which no TP style can shard"
     if group[writer] not in ROW_STYLES or call is None:
         return None  # a gathered group computes whole activations: nothing the split could change
     args, kwargs = _detached(call)

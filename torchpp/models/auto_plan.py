@@ -338,18 +338,25 @@ class _LayerTrace:
             walk = walk_back([inp], outputs, entry)
             seen[name] = (walk.reached, walk.entry, walk.params)
             packed.update(_packed_outputs(walk.nodes, outputs))
-        # Reads the residual stream: the layer input, or earlier writers' outputs added to it.
-        readers = {n for n, (before, from_input, _) in seen.items() if (before or from_input)
-                   and before <= reaching_output}
-        writers = {n for n in reaching_output if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output}
-        colwise = set().union(*(seen[w][0] for w in writers)) if writers else set()
-        undecided = {n: self._why_undecided(n, seen, readers, reaching_output, writers)
-                     for n in sorted((set(self.linears) - readers - reaching_output) | (colwise & reaching_output)
-                                     | {n for n in reaching_output - writers if n not in readers})}
+        # Reads the residual stream: the layer input or earlier writers' outputs added to it, and (from
+        # the second round on) maybe with outputs of linears kept whole, which every rank computes whole
+        # (a hyper-connection's stream mix); rounds until what stays whole no longer changes.
+        whole_outputs, rounds = set(reaching_output), []
+        for _ in range(len(self.linears) + 1):
+            rounds.append(self._round(seen, reaching_output, whole_outputs))
+            split = set().union(*([w, *seen[w][0]] for w in rounds[-1][1] - set(rounds[-1][2])))
+            if reaching_output | (set(self.linears) - split) == whole_outputs:
+                break
+            whole_outputs = reaching_output | (set(self.linears) - split)
+        else:
+            rounds.append(rounds[0])  # no fixed point: the residual stream alone
+        readers, writers, unsafe, undecided = rounds[-1]
         self.whole.update({self._relative(n): why for n, why in undecided.items()})
+        for w, why in unsafe.items():
+            self.whole[self._relative(w)] = f"with its readers {', '.join(map(self._relative, sorted(seen[w][0])))}: {why}"
         groups: List[Dict[str, str]] = []
         params = {id(p): p for p in self._params}
-        for w in sorted(set(writers) - set(self._unsafe_writers(writers, seen, undecided))):
+        for w in sorted(writers - set(unsafe)):
             plan: Dict[str, str] = {}
             groups.append(plan)
             between = [params[i] for i in seen[w][2] if i in self.owners]
@@ -368,17 +375,19 @@ class _LayerTrace:
             plan.update({self.param_names[id(p)]: "colwise" for p in per_head})
             plan.update({self.owners[id(p)]: "replicated_with_grad_allreduce" for p in between
                          if not any(p is q for q in per_head)})
-        self._name_lone_readers(readers - colwise - set(undecided), seen, undecided, reaching_output)
+        feeding = set().union(*(seen[w][0] for w in writers)) if writers else set()
+        self._name_lone_readers(readers - feeding - writers - set(undecided), seen, reaching_output)
         return groups
 
-    def _name_lone_readers(self, lone, seen, undecided: Dict[str, str], reaching_output) -> None:
+    def _name_lone_readers(self, lone, seen, reaching_output) -> None:
         """Why readers feeding no writer stay whole (recorded in ``self.whole``)."""
         for r in sorted(lone):
-            reader_of = sorted(n for n in undecided if r in seen[n][0])
+            read_by = sorted(n for n in seen if r in seen[n][0])
             self.whole[self._relative(r)] = (
-                f"its output is read by {self._relative(reader_of[0])}, kept whole" if reader_of else
                 "writes back into the residual stream itself (no linear after it to split by rows)"
-                if r in reaching_output else "feeds no linear writing back into the residual stream")
+                if r in reaching_output else
+                f"its output goes to {self._relative(read_by[0])}, which does not write back into the residual stream"
+                if read_by else "feeds no linear writing back into the residual stream")
 
     def _relative(self, name: str) -> str:
         return name[len(self.path) + 1:]
@@ -400,28 +409,37 @@ class _LayerTrace:
             return f"writes back into the residual stream from {self._relative(inner[0])}, which does not read it alone"
         return "writes back into the residual stream from no linear reading it"
 
-    def _unsafe_writers(self, writers, seen, undecided: Dict[str, str]) -> List[str]:
-        """Writers whose group must stay whole (recorded in ``self.whole``): one of its readers is
-        undecided, or a linear kept whole reads a reader's output (it would see a shard), or the group
-        shares a reader with such a group (a reader is split for all the writers it feeds, or none)."""
-        reads = {n: before for n, (before, _, _) in seen.items()}
+    def _round(self, seen, reaching_output, whole_outputs):
+        """(readers, writers, {writer: why its group stays whole}, {linear the rule cannot decide: why}) when
+        readers are the linears reading the residual stream and else only ``whole_outputs``."""
+        readers = {n for n, (before, from_input, _) in seen.items() if (from_input or before & reaching_output)
+                   and before <= whole_outputs}
+        writers = {n for n in reaching_output if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output}
+        colwise = set().union(*(seen[w][0] for w in writers)) if writers else set()
+        undecided = {n: self._why_undecided(n, seen, readers, reaching_output, writers)
+                     for n in sorted((set(self.linears) - readers - reaching_output) | (colwise & reaching_output)
+                                     | {n for n in reaching_output - writers if n not in readers})}
+        return readers, writers, self._unsafe_writers(writers, seen, undecided), undecided
+
+    def _unsafe_writers(self, writers, seen, undecided: Dict[str, str]) -> Dict[str, str]:
+        """{writer: why its group must stay whole}: one of its readers is undecided, or a linear other
+        than a writer reads a reader's output (split, it would see a shard), or the group shares a
+        reader with such a group (a reader is split for all the writers it feeds, or none)."""
         unsafe: Dict[str, str] = {}
         for w in sorted(writers):
             inside = sorted(seen[w][0] & set(undecided))
-            fed = sorted((n, r) for n in undecided for r in reads[n] & seen[w][0] if n not in seen[w][0])
+            fed = sorted((n, r) for n in seen if n not in writers for r in seen[n][0] & seen[w][0])
             if inside:
                 unsafe[w] = f"its reader {self._relative(inside[0])} stays whole"
             elif fed:
-                unsafe[w] = (f"{self._relative(fed[0][0])}, kept whole, reads its reader "
-                             f"{self._relative(fed[0][1])}'s output")
+                linear, reader = map(self._relative, fed[0])
+                unsafe[w] = (f"its reader {linear} reads its reader {reader}'s output (a linear between two others)"
+                             if fed[0][0] in seen[w][0] else f"{linear} also reads its reader {reader}'s output")
         changed = True
         while changed:  # groups sharing a reader with one kept whole stay whole too
             changed = False
             for w in sorted(set(writers) - set(unsafe)):
-                shared = next((v for v in sorted(unsafe) if v in writers and seen[v][0] & seen[w][0]), None)
+                shared = next((v for v in sorted(unsafe) if seen[v][0] & seen[w][0]), None)
                 if shared is not None:
                     unsafe[w], changed = f"shares a reader with {self._relative(shared)}, kept whole", True
-        for w, why in unsafe.items():
-            readers = ", ".join(self._relative(r) for r in sorted(seen[w][0]))
-            self.whole[self._relative(w)] = f"with its readers {readers}: {why}"
-        return list(unsafe)
+        return unsafe
