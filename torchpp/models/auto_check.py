@@ -30,8 +30,8 @@ def keep_groups_that_split(traces, groups: List[List[Dict[str, str]]], ctx: TPCo
     """``groups`` (per layer) without those whose split fails or changes the layer's result.
 
     Args:
-        traces: ``auto_plan._LayerTrace`` of each layer (the layer, its path, its traced call).
-        groups: per layer, the groups ``_LayerTrace.decide`` chose.
+        traces: ``auto_trace.LayerTrace`` of each layer (the layer, its path, its traced call).
+        groups: per layer, the groups ``LayerTrace.decide`` chose.
         ctx: the TP context (size and head counts) to simulate.
 
     Returns:
@@ -53,8 +53,26 @@ def keep_groups_that_split(traces, groups: List[List[Dict[str, str]]], ctx: TPCo
                 whole[_writer(group)] = f"with its readers {readers}: {why}"
             else:
                 mine.append({f"{trace.path}.{name}": style for name, style in holding.items()})
-        kept.append(mine)
+        kept.append(_without_sharing(mine, [g for g in layer_groups if _writer(g) in whole], whole))
     return kept, whole
+
+
+def _without_sharing(kept: List[Dict[str, str]], dropped: List[Dict[str, str]], whole: Dict[str, str]
+                     ) -> List[Dict[str, str]]:
+    """``kept`` without the groups sharing a reader with a dropped one (a reader splits for all
+    the writers it feeds, or none), recorded in ``whole``."""
+    def readers(group):
+        return {name for name, style in group.items() if style.startswith(("colwise", "packed"))}
+
+    while True:
+        shared = {_writer(g): next((d for d in dropped if readers(g) & readers(d)), None) for g in kept}
+        if not any(shared.values()):
+            return kept
+        for writer, other in shared.items():
+            if other is not None:
+                whole[writer] = f"shares a reader with {_writer(other).rpartition('.')[2]}'s group, kept whole"
+        dropped = dropped + [g for g in kept if shared[_writer(g)] is not None]
+        kept = [g for g in kept if shared[_writer(g)] is None]
 
 
 def _first_that_holds(layer, call, group: Dict[str, str], ctx) -> Tuple[Optional[Dict[str, str]], str]:
@@ -171,9 +189,9 @@ def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) 
     finally:
         hook.remove()
     if backward:
-        from torchpp.models.auto_plan import _first_tensor
+        from torchpp.models.auto_trace import first_tensor
 
-        out = _first_tensor(output)
+        out = first_tensor(output)
         if out is not None and out.requires_grad:
             out.sum().backward()
     return seen[0] if seen else None
