@@ -72,7 +72,7 @@ def sweep(types, pool_of, plan=None, rows_path=None):
             print(f"{model_type:40s} skipped: {UNBUILDABLE[model_type]}", flush=True)
         else:
             _check(row, model_type, pool_of, plan)
-            print(f"{model_type:40s} tp=2 {row['tp'][:90]:90s} pp=2 {row['pp'][:90]}", flush=True)
+            print(f"{model_type:40s} tp=2 {row['tp'][:90]:90s} pp=2 {row['pp'][:90]} {_split_cell(row)}", flush=True)
         rows.append(row)
         if rows_path:
             with open(rows_path, "a") as f:
@@ -99,12 +99,22 @@ def _check(row, model_type: str, pool_of, plan) -> None:
         row[key + "_s"] = time.monotonic() - start
 
 
-def _table(rows) -> list:
-    lines = ["| model type | tp=2 | pp=2 (zb-h1) |", "|---|---|---|"]
+def _table(rows, split_column: bool = False) -> list:
+    """The rows as a table; ``split_column``: how many linears of each layer kind tp=2 split (plan="auto")."""
+    lines = ["| model type | tp=2 | pp=2 (zb-h1) |" + (" linears split per layer (tp=2) |" if split_column else ""),
+             "|---|---|---|" + ("---|" if split_column else "")]
     for row in sorted(rows, key=lambda r: r["type"]):
-        cells = [row["tp"], row["pp"]]
+        cells = [row["tp"], row["pp"]] + ([_split_cell(row)] if split_column else [])
         lines.append(f"| {row['type']} | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
+
+
+def _split_cell(row) -> str:
+    """What a passing tp=2 check split, read from its detail (torchpp.testing.model_checks.check_tp)."""
+    from torchpp.testing.model_checks import SPLIT_NOTE
+
+    detail = row.get("tp_detail", "") if row["tp"] == "pass" else ""
+    return detail.split(SPLIT_NOTE, 1)[1] if SPLIT_NOTE in detail else ""
 
 
 def _passing(rows) -> int:
@@ -198,17 +208,18 @@ def write_table(rows, path: str) -> None:
             'with `parallelize(model, plan="auto")` (`torchpp.models.auto_plan`: the stack is the longest ModuleList',
             "no layer of another holds; linears reading a layer branch's input that feed the linear writing its output are split",
             "by columns, the writer by rows, each group first tried on one layer in one process and kept whole where",
-            "its split fails or changes the output; the rest stays replicated), checked as above. A failure shows the error:",
-            "where the rule cannot decide, it names the module.",
+            "its split fails or changes the output; a group with a linear the rule cannot decide (one between two others)",
+            "stays whole, the rest of the layer still splits), checked as above. The last column says how many of each layer",
+            "kind's linears tp=2 split; a model where nothing splits fails with the PlanError naming why.",
             "",
             f"**{_passing(auto)} of {len(auto)} types pass both**; sweep time {_minutes(auto):.1f} min (summed check "
-            "times). Each failure shows its error as it is: where the rule cannot decide (PlanError naming the module), a "
+            "times). Each failure shows its error as it is: where nothing can be split (PlanError naming why), a "
             "tiny model transformers itself cannot build or run, or a wrapping bug not yet fixed.",
             *_not_run_lines([r["type"] for r in auto], auto_types()),
             "",
             "    python bench/model_sweep.py --auto",
             "",
-            *_table(auto),
+            *_table(auto, split_column=True),
         ]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

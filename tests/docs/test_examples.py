@@ -82,6 +82,13 @@ def test_ptdp_page_example_prints_the_documented_losses(tmp_path):
         assert found[step] == pytest.approx(loss, abs=2e-3), (step, found[step], loss)
 
 
+def test_ptdp_page_auto_plan_example_keeps_the_mixer_whole(tmp_path):
+    (tmp_path / "auto_plan.py").write_text(python_block("ptdp.md", "Save as `auto_plan.py`"))
+    output = run(["auto_plan.py"], tmp_path)
+    assert "model.layers.*.mamba.x_proj: kept whole (sits between linears" in output, output
+    assert "linears split per layer: JambaMambaDecoderLayer 0-3/7" in output, output
+
+
 def test_ptdp_page_user_plan_example_trains(tmp_path):
     (tmp_path / "user_plan.py").write_text(python_block("ptdp.md", "Save as `user_plan.py`"))
     found = losses(run(["user_plan.py"], tmp_path, nproc=4))

@@ -106,9 +106,81 @@ def test_auto_plan_norms_between_the_split_linears():
     assert "model.layers.*.self_attn.q_norm" not in whole
 
 
-def test_auto_plan_names_the_module_it_cannot_decide():
-    with pytest.raises(PlanError, match=r"backbone\.layers\.0\.mixer\."):
-        auto_plans(tiny_model("mamba"))  # a state-space mixer's inner projections
+class _ToyLayer(torch.nn.Module):
+    """Branches on the residual stream: a -> b -> c where c reads a too (Mamba's in_proj -> x_proj ->
+    out_proj); an MLP (up -> down); a low-rank pair lo_a -> lo_b -> lo_c (MLA's q_a -> q_b -> o); r
+    feeding the writer w while m, feeding the writer u, reads r's output too; and q -> o reading the
+    stream scaled by a mix that mix_down -> mix_up computes (a hyper-connection)."""
+
+    def __init__(self, width=8, mixer_only=False):
+        super().__init__()
+        self.mixer_only = mixer_only
+        self.a, self.b, self.c = (torch.nn.Linear(width, width) for _ in range(3))
+        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+        self.lo_a, self.lo_b, self.lo_c = torch.nn.Linear(width, 2), torch.nn.Linear(2, width), torch.nn.Linear(width, width)
+        self.r, self.w, self.m, self.u = (torch.nn.Linear(width, width) for _ in range(4))
+        self.mix_down, self.mix_up = torch.nn.Linear(width, 2), torch.nn.Linear(2, width)
+        self.q, self.o = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        inner = torch.relu(self.a(x))
+        x = x + self.c(inner * torch.sigmoid(self.b(inner)))
+        if self.mixer_only:
+            return x
+        x = x + self.down(torch.relu(self.up(x)))
+        x = x + self.lo_c(torch.relu(self.lo_b(self.lo_a(x))))
+        hidden = torch.tanh(self.r(x))
+        x = x + self.w(hidden) + self.u(torch.relu(self.m(hidden)))
+        return x + self.o(torch.relu(self.q(x * torch.sigmoid(self.mix_up(torch.relu(self.mix_down(x)))))))
+
+
+class _ToyModel(torch.nn.Module):
+    def __init__(self, mixer_only=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(11, 8)
+        self.layers = torch.nn.ModuleList(_ToyLayer(mixer_only=mixer_only) for _ in range(2))
+
+    def forward(self, input_ids, use_cache=False):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_auto_plan_keeps_whole_what_depends_on_a_linear_between_others(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="torchpp"):
+        plan, _ = auto_plans(_ToyModel())
+    # The independent MLP splits; so does q -> o: q reads the stream, scaled by what linears kept whole
+    # (mix_down -> mix_up) compute whole on every rank.
+    assert plan == {"layers.*.up": "colwise", "layers.*.down": "rowwise", "layers.*.q": "colwise",
+                    "layers.*.o": "rowwise"}
+    whole = dict(line.strip().split(": kept whole ", 1) for line in caplog.text.splitlines() if ": kept whole " in line)
+    assert whole == {
+        "layers.*.a": "(its output goes to b, which does not write back into the residual stream)",
+        "layers.*.b": "(sits between linears: reads a's output, not the residual stream)",
+        "layers.*.c": "(writes back into the residual stream from b, which does not read it alone)",
+        "layers.*.lo_a": "(its output goes to lo_b, which does not write back into the residual stream)",
+        "layers.*.lo_b": "(sits between linears: reads lo_a's output, not the residual stream)",
+        "layers.*.lo_c": "(writes back into the residual stream from lo_b, which does not read it alone)",
+        "layers.*.w": "(with its readers r: m also reads its reader r's output)",  # split, m would see r's shard
+        "layers.*.m": "(sits between linears: reads r's output, not the residual stream)",
+        "layers.*.u": "(writes back into the residual stream from m, which does not read it alone)",
+        "layers.*.mix_down": "(its output goes to mix_up, which does not write back into the residual stream)",
+        "layers.*.mix_up": "(sits between linears: reads mix_down's output, not the residual stream)",
+    }, caplog.text
+    assert "linears split per layer: _ToyLayer 4/16" in caplog.text
+
+
+def test_auto_plan_that_splits_nothing_says_why():
+    with pytest.raises(PlanError, match=r"nothing in layers splits: layers\.0\.b stays whole: sits between "
+                                        r"linears: reads a's output"):
+        auto_plans(_ToyModel(mixer_only=True))
+    with pytest.raises(PlanError, match=r"nothing in backbone\.layers splits over tp=2: "
+                                        r"backbone\.layers\.0\.mixer\.out_proj stays whole"):
+        auto_plans(tiny_model("mamba"), tp=2)  # a state-space mixer: in_proj -> conv -> x_proj -> out_proj
 
 
 def test_trace_records_what_layers_hand_to_later_layers():
@@ -222,7 +294,7 @@ def test_elsewhere_shows_the_modules_own_tensors_without_memory():
 
 def test_auto_plan_reads_head_counts_per_layer_of_a_heterogeneous_config():
     # dots3_note's config holds its head counts per layer and refuses a model-wide read: the rule
-    # reads each layer's own, then names the module it cannot decide (its indexer's low-rank
-    # projection) instead of failing on the config.
-    with pytest.raises(PlanError, match=r"self_attn\.indexer\.wq_b neither reads"):
-        auto_plans(tiny_model("dots3_note"), tp=2)
+    # reads each layer's own; its low-rank attention (q_a -> q_b -> o) stays whole, its MLPs split.
+    plan, _ = auto_plans(tiny_model("dots3_note"), tp=2)
+    assert plan["model.layers.0.mlp.down_proj"] == "rowwise" and plan["model.layers.1.mlp.shared_experts.up_proj"]
+    assert not any(".self_attn." in name for name in plan), plan

@@ -17,8 +17,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchpp.tensor_parallel.styles import STYLES, TPContext
 from torchpp.tensor_parallel.random import rng_restored
+from torchpp.tensor_parallel.styles import STYLES, PlanError, TPContext
+from torchpp.tensor_parallel.tp_forwards import check_own_forward
 
 # |sum of the ranks' writer outputs - the unsplit one| allowed, relative to its scale, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -31,12 +32,12 @@ def keep_groups_that_split(traces, groups: List[List[Dict[str, str]]], ctx: TPCo
     """``groups`` (per layer) without those whose split fails or changes the layer's result.
 
     Args:
-        traces: ``auto_plan._LayerTrace`` of each layer (the layer, its path, its traced call).
-        groups: per layer, the groups ``_LayerTrace.decide`` chose.
+        traces: ``auto_trace.LayerTrace`` of each layer (the layer, its path, its traced call).
+        groups: per layer, the groups ``LayerTrace.decide`` chose.
         ctx: the TP context (size and head counts) to simulate.
 
     Returns:
-        (the groups kept, {writer: why its group stays whole}).
+        (the groups kept, {writer: its readers and why their group stays whole}).
     """
     answers: Dict[tuple, Tuple[Optional[Dict[str, str]], str]] = {}
     kept, whole = [], {}
@@ -49,11 +50,31 @@ def keep_groups_that_split(traces, groups: List[List[Dict[str, str]]], ctx: TPCo
                 answers[key] = _first_that_holds(trace.layer, trace.call, relative, ctx)
             holding, why = answers[key]
             if holding is None:
-                whole[_writer(group)] = why
+                readers = ", ".join(n for n, s in relative.items() if s.startswith(("colwise", "packed"))
+                                    and isinstance(_get(trace.layer, n), nn.Module))
+                whole[_writer(group)] = f"with its readers {readers}: {why}"
             else:
                 mine.append({f"{trace.path}.{name}": style for name, style in holding.items()})
-        kept.append(mine)
+        kept.append(_without_sharing(mine, [g for g in layer_groups if _writer(g) in whole], whole))
     return kept, whole
+
+
+def _without_sharing(kept: List[Dict[str, str]], dropped: List[Dict[str, str]], whole: Dict[str, str]
+                     ) -> List[Dict[str, str]]:
+    """``kept`` without the groups sharing a reader with a dropped one (a reader splits for all
+    the writers it feeds, or none), recorded in ``whole``."""
+    def readers(group):
+        return {name for name, style in group.items() if style.startswith(("colwise", "packed"))}
+
+    while True:
+        shared = {_writer(g): next((d for d in dropped if readers(g) & readers(d)), None) for g in kept}
+        if not any(shared.values()):
+            return kept
+        for writer, other in shared.items():
+            if other is not None:
+                whole[writer] = f"shares a reader with {_writer(other).rpartition('.')[2]}'s group, kept whole"
+        dropped = dropped + [g for g in kept if shared[_writer(g)] is not None]
+        kept = [g for g in kept if shared[_writer(g)] is None]
 
 
 def _first_that_holds(layer, call, group: Dict[str, str], ctx) -> Tuple[Optional[Dict[str, str]], str]:
@@ -103,6 +124,13 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
     """None if ``layer`` with ``group`` split over ``ctx.size`` simulated ranks gives the unsplit
     writer output (summed over ranks); else why not, in a line."""
     writer = _writer(group)
+    for name, style in group.items():
+        target = _get(layer, name)
+        if isinstance(target, nn.Module) and style != "replicated_with_grad_allreduce":
+            try:
+                check_own_forward(target, None, name, style)
+            except PlanError:  # parallelize would refuse the style on it
+                return f"{name}'s class {type(target).__name__} computes its own forward, which no TP style can shard"
     if group[writer] not in ROW_STYLES or call is None:
         return None  # a gathered group computes whole activations: nothing the split could change
     args, kwargs = _detached(call)
@@ -150,10 +178,11 @@ def _detached(call):
 
 def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) -> Optional[torch.Tensor]:
     """The writer's first output when ``layer`` runs on the traced call (and, with ``backward``,
-    after a backward through the layer: a split that breaks only the backward fails here)."""
+    after a backward through the layer: a split that breaks only the backward fails here); copied
+    as it leaves the writer, before an in-place op adds to it (Falcon's parallel attention)."""
     seen: List[torch.Tensor] = []
     hook = layer.get_submodule(writer).register_forward_hook(
-        lambda module, inputs, output: seen.append(output) if not seen else None)
+        lambda module, inputs, output: seen.append(output.detach().clone()) if not seen else None)
     try:
         device = next((p.device for p in layer.parameters()), torch.device("cpu"))
         with rng_restored(device), \
@@ -162,12 +191,12 @@ def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) 
     finally:
         hook.remove()
     if backward:
-        from torchpp.models.auto_plan import _first_tensor
+        from torchpp.models.auto_trace import first_tensor
 
-        out = _first_tensor(output)
+        out = first_tensor(output)
         if out is not None and out.requires_grad:
             out.sum().backward()
-    return seen[0].detach() if seen else None
+    return seen[0] if seen else None
 
 
 def _shard(layer: nn.Module, group: Dict[str, str], ctx: TPContext, rank: int) -> None:

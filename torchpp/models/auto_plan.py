@@ -5,21 +5,29 @@ split by columns, those writing back into it by rows).
 - The stack of layers is the longest ``nn.ModuleList`` that no layer of another holds (``find_stack``).
 - One traced forward on a few tokens follows, in each layer, the autograd graph between the
   ``nn.Linear``s: a linear whose input comes from the layer's input through no other linear
-  *reads* the residual stream; one whose output reaches the layer's output through no other
-  linear *writes* back into it. A writer is ``rowwise`` and the readers feeding it ``colwise``;
-  parameters met between them (per-head norms) see head-split activations, so their gradients
-  are summed over TP; a norm over a reader's whole width (every head at once) makes that group
-  gather its outputs instead (``colwise_gather_output``, the writer ``rowwise_split_input``,
-  as transformers' OLMo 2 plan does). A reader that also writes (a router's gate) stays replicated. A linear
-  between two others (a low-rank projection's second half, a state-space model's inner
-  projections) is a case the rule cannot decide: ``PlanError`` names it.
+  *reads* the residual stream (so does one whose input also mixes in outputs of linears kept
+  whole, which every rank computes whole: a hyper-connection's stream mix); one whose output
+  reaches the layer's output through no other linear *writes* back into it. A writer is
+  ``rowwise`` and the readers feeding it ``colwise``; parameters met between them (per-head norms)
+  see head-split activations, so their gradients are summed over TP; a norm over a reader's whole
+  width (every head at once) makes that group gather its outputs instead
+  (``colwise_gather_output``, the writer ``rowwise_split_input``, as transformers' OLMo 2 plan
+  does). A reader that also writes (a router's gate) stays replicated.
+- What the rule cannot decide stays whole (replicated), as DeepSpeed's AutoTP leaves the linears
+  it does not recognise: a linear between two others (a low-rank projection's second half, a
+  state-space mixer's ``x_proj``, a router's inner MLP), and every group depending on one: where a
+  reader's output goes two ways (into its writer and back into the stream), where a linear other
+  than the writer reads a reader's output (it would see a shard), or where the group shares a
+  reader with such a group. The other groups of the layer still split. The log names each module
+  kept whole and why, one line each; ``PlanError`` only where nothing splits, naming why.
 - Attention modules that count their heads in attributes (``num_heads``, ``embed_dim``) get
   this rank's counts after the split (as DeepSpeed's AutoTP does).
 - Given the TP size, each group is first tried on one layer in this process
   (``torchpp.models.auto_check``): one whose split fails or changes the result stays whole.
 
-Embeddings and the output layer stay replicated. ``auto_plans`` logs the plan it chose (INFO
-on the ``torchpp`` logger) and returns it; ``describe_plan`` formats it.
+Embeddings and the output layer stay replicated. ``auto_plans`` logs the plan it chose, what it
+keeps whole and how many linears of each layer kind it splits (INFO on the ``torchpp`` logger) and
+returns the plan; ``describe_plan`` formats it.
 """
 from __future__ import annotations
 
@@ -30,7 +38,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import leaving_no_history, walk_back
+from torchpp.models.auto_trace import PACKED_STYLES, LayerTrace, is_linear
+from torchpp.models.autograd_walk import leaving_no_history
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.styles import PlanError, TPContext
@@ -98,14 +107,15 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
         ctx: the TP context (size and head counts) to try, where the caller has one (parallelize).
 
     Raises:
-        PlanError: naming the module where the rule cannot decide (or why no trace ran).
+        PlanError: where nothing in the stack splits, naming the first module kept whole and why
+            (or why no trace ran).
     """
     stack = find_stack(model)
     layers = list(get_submodule(model, stack))
     if any(p.is_meta for p in model.parameters()):
         raise PlanError("torchpp.parallelize(plan='auto') runs the model once on a few tokens to read its structure; "
                         "a meta-device model cannot run: build it with weights, or pass plan=")
-    traces = [_LayerTrace(layer, f"{stack}.{i}", _layer_heads(text_config(model), i)) for i, layer in enumerate(layers)]
+    traces = [LayerTrace(layer, f"{stack}.{i}", _layer_heads(text_config(model), i)) for i, layer in enumerate(layers)]
     vocab = getattr(text_config(model), "vocab_size", None) or 2
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % vocab).unsqueeze(0)
@@ -116,28 +126,77 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
         for trace in traces:
             trace.remove()
     groups = [trace.decide() for trace in traces]
-    whole: Dict[str, str] = {}  # writer -> why its group stays whole
+    whole = {f"{trace.path}.{name}": why for trace in traces for name, why in trace.whole.items()}
     if ctx is not None or tp > 1:
         from torchpp.models.auto_check import keep_groups_that_split, sized_context
 
-        groups, whole = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
+        groups, failing = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
+        whole.update(failing)
     plan: Dict[str, str] = {name: style for layer_groups in groups for group in layer_groups
                             for name, style in group.items()}
     if not plan:
-        why = "".join(f"; {writer} stays whole: {reason}" for writer, reason in list(whole.items())[:2])
-        raise PlanError(f"torchpp.parallelize(plan='auto'): no layer of {stack} has an nn.Linear reading its residual "
-                        f"stream that feeds one writing back into it{why}: nothing to split; pass plan=")
+        _raise_nothing_to_split(stack, tp, whole)
     plan, whole = _as_globs(plan, stack, len(layers)), _as_globs(whole, stack, len(layers))
-    LOG.info("torchpp.parallelize(plan='auto') for %s:\n%s", type(model).__name__,
-             describe_plan(plan, stack, whole))
+    LOG.info("torchpp.parallelize(plan='auto') for %s:\n%s\n  linears split per layer: %s", type(model).__name__,
+             describe_plan(plan, stack, whole), split_counts(model, stack, lambda name, _: _planned(name, plan)))
     return plan, layout_around(model, stack)
 
 
+def _raise_nothing_to_split(stack: str, tp: int, whole: Dict[str, str]) -> None:
+    """A wrap that splits nothing gives nothing over tp: the first module kept whole says why."""
+    if not whole:
+        raise PlanError(f"torchpp.parallelize(plan='auto'): no layer of {stack} has an nn.Linear reading its residual "
+                        f"stream that feeds one writing back into it: nothing to split; pass plan=")
+    groups = [(name, why) for name, why in whole.items() if why.startswith("with its readers")]
+    name, why = (groups or list(whole.items()))[0]  # a group that would split, else the first linear
+    more = f" (and {len(whole) - 1} more kept whole)" if len(whole) > 1 else ""
+    raise PlanError(f"torchpp.parallelize(plan='auto'): nothing in {stack} splits{f' over tp={tp}' if tp > 1 else ''}: "
+                    f"{name} stays whole: {why}{more}; pass plan=")
+
+
 def describe_plan(plan: Dict[str, str], stack: str, whole: Optional[Dict[str, str]] = None) -> str:
-    """One line per entry, the groups kept whole and why, and the stack the pipeline cuts."""
+    """One line per entry, one per module kept whole (replicated) and why, and the stack the pipeline cuts."""
     lines = [f"  {name}: {style}" for name, style in sorted(plan.items())]
-    lines += [f"  {writer} and its readers: whole ({reason})" for writer, reason in sorted((whole or {}).items())]
+    lines += [f"  {name}: kept whole ({reason})" for name, reason in _brace_layers(whole or {}, stack)]
     return "\n".join(lines + [f"  pipeline stack: {stack}"])
+
+
+def _brace_layers(entries: Dict[str, str], stack: str) -> List[Tuple[str, str]]:
+    """Entries alike but for the layer index in one line: ``stack.{0,2}.name`` (a hybrid's layers of one kind)."""
+    indices: Dict[Tuple[str, str], List[str]] = {}
+    for name, text in entries.items():
+        index, _, rest = name[len(stack) + 1:].partition(".")
+        indices.setdefault((rest, text), []).append(index)
+    return sorted((f"{stack}.{ids[0] if len(ids) == 1 else '{' + ','.join(ids) + '}'}.{rest}", text)
+                  for (rest, text), ids in indices.items())
+
+
+def split_counts(model: nn.Module, stack: str, is_split) -> str:
+    """How many of each layer's linears are split, per layer class of the stack: ``"Block 4/6"``
+    (``"Block 0-4/6"`` where layers of one class differ).
+
+    Args:
+        model: the model (wrapped or not).
+        stack: the path of its layers.
+        is_split: (linear's name in the model, the linear) -> whether it is split.
+    """
+    per_class: Dict[str, List[Tuple[int, int]]] = {}
+    for i, layer in enumerate(get_submodule(model, stack)):
+        names = [f"{stack}.{i}.{name}" for name, module in layer.named_modules() if is_linear(module)]
+        modules = dict(layer.named_modules())
+        split = sum(bool(is_split(name, modules[name[len(f"{stack}.{i}."):]])) for name in names)
+        per_class.setdefault(type(layer).__name__, []).append((split, len(names)))
+    parts = []
+    for kind, counts in per_class.items():
+        low, high, total = min(c[0] for c in counts), max(c[0] for c in counts), max(c[1] for c in counts)
+        parts.append(f"{kind} {low if low == high else f'{low}-{high}'}/{total}")
+    return ", ".join(parts)
+
+
+def _planned(name: str, plan: Dict[str, str]) -> bool:
+    """Whether a plan of globs splits the module ``name``."""
+    return any(style != "replicated_with_grad_allreduce" and re.fullmatch(_glob_regex(glob), name)
+               for glob, style in plan.items())
 
 
 def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContext) -> None:
@@ -171,51 +230,6 @@ def _as_globs(plan: Dict[str, str], stack: str, num_layers: int) -> Dict[str, st
     return out
 
 
-# A reader whose output is split into equal parts along its features (fused q, k, v; fused gate
-# and up) is split part by part.
-PACKED_STYLES = {2: "packed_colwise", 3: "packed3_colwise"}
-
-
-def _is_linear(module: nn.Module) -> bool:
-    """nn.Linear, or transformers' Conv1D (GPT-2's linears, weight [in, out])."""
-    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and getattr(module, "weight", None)
-                                             is not None and module.weight.dim() == 2)
-
-
-def _packed_outputs(nodes, outputs: Dict[int, str]) -> Dict[str, int]:
-    """{linear: number of equal parts} for linears whose output a split along the last dimension
-    cuts into equal parts (the nodes of a walk that met them)."""
-    found: Dict[str, int] = {}
-    for node in nodes:
-        kind = type(node).__name__
-        if not kind.startswith("Split"):
-            continue
-        sources = [outputs.get(id(n)) for n, _ in node.next_functions if n is not None]
-        sizes = getattr(node, "_saved_self_sym_sizes", None)
-        dim = getattr(node, "_saved_dim", None)
-        if not sizes or dim is None or not any(sources):
-            continue
-        dim = dim - 2**64 if dim >= 2**63 else dim
-        if dim % len(sizes) != len(sizes) - 1:
-            continue
-        parts = getattr(node, "_saved_split_sizes", None)
-        count = len(parts) if parts and len(set(parts)) == 1 else (
-            int(sizes[-1]) // int(node._saved_split_size) if hasattr(node, "_saved_split_size") else 1)
-        for source in filter(None, sources):
-            found[source] = count
-    return found
-
-
-def _first_tensor(value) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((t for t in map(_first_tensor, value) if t is not None), None)
-    if isinstance(value, dict):  # transformers' ModelOutput is one
-        return _first_tensor(list(value.values()))
-    return None
-
-
 def _layer_heads(config, index: int) -> set:
     """The query and key/value head counts of layer ``index``: its own under a heterogeneous
     config (transformers' per-layer configs refuse a model-wide read), else the model's."""
@@ -224,90 +238,3 @@ def _layer_heads(config, index: int) -> set:
     if getattr(config, "is_heterogeneous", False):
         config = config.per_layer_config[index]
     return {config_value(config, key) for key in ("num_attention_heads", "num_key_value_heads")} - {None}
-
-
-class _LayerTrace:
-    """Hooks on one layer and its linears; the decision from what they saw (module docstring)."""
-
-    def __init__(self, layer: nn.Module, path: str, heads=()):
-        self.path, self.heads = path, set(heads)
-        self.layer, self.call = layer, None
-        self.input: Optional[torch.Tensor] = None
-        self.output: Optional[torch.Tensor] = None
-        self.linears: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self.owners: Dict[int, str] = {}  # id of a parameter -> the module holding it (not a linear)
-        self._params = [p for name, m in layer.named_modules() if name and not _is_linear(m)
-                        for p in m.parameters(recurse=False)]
-        self.param_names = {id(p): f"{path}.{name}" for name, p in layer.named_parameters()}
-        for name, module in layer.named_modules():
-            if not _is_linear(module):  # the layer itself too: parameters held by the attention block directly
-                self.owners.update({id(p): f"{path}.{name}".rstrip(".") for p in module.parameters(recurse=False)})
-        self._hooks = [layer.register_forward_pre_hook(self._enter, with_kwargs=True),
-                       layer.register_forward_hook(self._leave)]
-        self._hooks += [module.register_forward_hook(self._linear(f"{path}.{name}"))
-                        for name, module in layer.named_modules() if _is_linear(module)]
-
-    def _enter(self, module, args, kwargs):
-        if self.input is None:
-            self.input = _first_tensor(list(args) + [kwargs.get("hidden_states")])
-            self.call = (args, kwargs)  # what the split check (auto_check) calls the layer with
-
-    def _leave(self, module, args, output):
-        if self.output is None:
-            self.output = _first_tensor(output)
-
-    def _linear(self, name):
-        def hook(module, args, output):
-            self.linears.setdefault(name, (_first_tensor(args), _first_tensor(output)))
-        return hook
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-
-    def decide(self) -> List[Dict[str, str]]:
-        """The layer's split groups: each a writer, the readers feeding it and what lies between."""
-        if self.input is None or self.output is None or not self.linears:
-            return []
-        outputs = {id(out.grad_fn): name for name, (_, out) in self.linears.items()
-                   if out is not None and out.grad_fn is not None}
-        entry = self.input.grad_fn
-        reaching_output = walk_back([self.output], outputs, entry).reached  # last linears before the output
-        seen, packed = {}, {}
-        for name, (inp, _) in self.linears.items():
-            walk = walk_back([inp], outputs, entry)
-            seen[name] = (walk.reached, walk.entry, walk.params)
-            packed.update(_packed_outputs(walk.nodes, outputs))
-        # Reads the residual stream: the layer input, or earlier writers' outputs added to it.
-        readers = {n for n, (before, from_input, _) in seen.items() if (before or from_input)
-                   and before <= reaching_output}
-        writers = {n for n in reaching_output if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output}
-        colwise = set().union(*(seen[w][0] for w in writers)) if writers else set()
-        undecided = sorted((set(self.linears) - readers - reaching_output) | (colwise & reaching_output)
-                           | {n for n in reaching_output - writers if n not in readers})
-        if undecided:
-            raise PlanError(f"torchpp.parallelize(plan='auto'): {undecided[0]} neither reads {self.path}'s residual "
-                            f"stream nor writes back into it alone (it sits between other linears, or its output "
-                            f"goes two ways): the rule cannot decide how to split it; pass plan=")
-        groups: List[Dict[str, str]] = []
-        params = {id(p): p for p in self._params}
-        for w in sorted(writers):
-            plan: Dict[str, str] = {}
-            groups.append(plan)
-            between = [params[i] for i in seen[w][2] if i in self.owners]
-            widths = [self.linears[r][1].shape[-1] for r in seen[w][0]]
-            if any(p.numel() in widths for p in between):
-                # A norm over a projection's whole width (every head at once): the readers' outputs are
-                # gathered and the writer splits its input, as transformers' OLMo 2 plan does.
-                plan.update({r: "colwise_gather_output" for r in seen[w][0]})
-                plan[w] = "rowwise_split_input"
-                continue
-            plan.update({r: PACKED_STYLES.get(packed.get(r, 1), "colwise") for r in seen[w][0]})
-            plan[w] = "rowwise"
-            # Parameters applied to head-split activations (per-head norms): each rank sees its heads.
-            # A vector of one value per head (attention sinks) is split with the heads.
-            per_head = [p for p in between if p.dim() == 1 and p.numel() in self.heads]
-            plan.update({self.param_names[id(p)]: "colwise" for p in per_head})
-            plan.update({self.owners[id(p)]: "replicated_with_grad_allreduce" for p in between
-                         if not any(p is q for q in per_head)})
-        return groups

@@ -32,7 +32,7 @@ def walk_back(tensors: Iterable[Optional[torch.Tensor]], named: Mapping[int, str
 
     Args:
         tensors: where to start (None entries and tensors without history are skipped, a leaf
-            that requires grad counts as a parameter met).
+            that requires grad counts as a parameter met); an autograd node starts there itself.
         named: id(node) -> name: nodes to record and not go past (linears' outputs).
         entry: a node to record and not go past (a layer's input).
         blocked: nodes not to go past, unrecorded (the layers' outputs).
@@ -44,7 +44,9 @@ def walk_back(tensors: Iterable[Optional[torch.Tensor]], named: Mapping[int, str
     for tensor in tensors:
         if tensor is None:
             continue
-        if tensor.grad_fn is not None:
+        if not isinstance(tensor, torch.Tensor):  # a node recorded before in-place ops replaced its tensor's
+            pending.append(tensor)
+        elif tensor.grad_fn is not None:
             pending.append(tensor.grad_fn)
         elif tensor.requires_grad:
             walk.params.add(id(tensor))
@@ -66,6 +68,12 @@ def walk_back(tensors: Iterable[Optional[torch.Tensor]], named: Mapping[int, str
             walk.params.add(id(variable))
         pending.extend(n for n, _ in node.next_functions if n is not None)
     return walk
+
+
+def history(tensor: Optional[torch.Tensor]):
+    """What made ``tensor`` now (its grad_fn, or itself if a leaf): a later in-place op on it (Falcon's
+    ``mlp_output += attention_output``) gives the tensor a new grad_fn, not this one."""
+    return None if tensor is None else (tensor.grad_fn if tensor.grad_fn is not None else tensor)
 
 
 @contextlib.contextmanager

@@ -116,6 +116,17 @@ def _calls_super_forward(cls: type, base: type) -> bool:
         return False
 
 
+def check_own_forward(module: nn.Module, base: Optional[type], name: str, style: str) -> None:
+    """Raises PlanError where ``module``'s class computes its own forward (Falcon's FalconLinear): a
+    style swaps ``base``'s forward (None: nn.Linear's or Conv1D's) for a TP one, which that class
+    would never call."""
+    base = base or (nn.Linear if isinstance(module, nn.Linear) else _conv1d_class())
+    if not _calls_super_forward(type(module), base):
+        raise PlanError(f"torchpp plan: style {style!r} on {name}: its class {type(module).__name__} computes its own "
+                        f"forward, which the style cannot shard; give it a {base.__name__} forward or leave it "
+                        f"out of the plan")
+
+
 def _swap_class(module: nn.Module, tp_forward: type, base: type, name: str, style: str) -> None:
     """Gives ``module`` a subclass of its own class in which ``base``'s forward is
     ``tp_forward``'s: a subclass whose forward calls ``super().forward`` (a scaled embedding)
@@ -123,10 +134,7 @@ def _swap_class(module: nn.Module, tp_forward: type, base: type, name: str, styl
     cls = type(module)
     if getattr(cls, "_torchpp_tp_class", False):
         raise PlanError(f"torchpp plan: {name} has two styles; the second is {style!r}")
-    if not _calls_super_forward(cls, base):
-        raise PlanError(f"torchpp plan: style {style!r} on {name}: its class {cls.__name__} computes its own "
-                        f"forward, which the style cannot shard; give it a {base.__name__} forward or leave it "
-                        f"out of the plan")
+    check_own_forward(module, base, name, style)
     key = (cls, tp_forward)
     if key not in _CLASSES:
         tp_base = _TP_BASES.setdefault((base, tp_forward), type(f"TP{base.__name__}", (tp_forward, base), {}))

@@ -239,7 +239,20 @@ def _check_tp(model_type: str, tp: int, sequence_parallel: bool, plan, **extra) 
     _sgd(wrapped.parameters())
     _compare_values(wrapped, reference, what)
     sharded = sum(1 for p in wrapped.parameters() if getattr(p, "tensor_model_parallel", False))
-    return f"loss {loss.item():.6f}, {compared} grads, {sharded} sharded"
+    return f"loss {loss.item():.6f}, {compared} grads, {sharded} sharded" + (
+        f"; {SPLIT_NOTE}{_split_linears(wrapped, reference)}" if plan == "auto" else "")
+
+
+SPLIT_NOTE = "linears split per layer: "
+
+
+def _split_linears(wrapped: nn.Module, reference: nn.Module) -> str:
+    """Per layer class of the wrapped stack, how many linears hold a weight smaller than the unwrapped
+    model's (plan="auto" may keep some whole)."""
+    from torchpp.models.auto_plan import split_counts
+
+    return split_counts(wrapped, wrapped.parallel_plan["pp"].layers, lambda name, linear: linear.weight.numel()
+                        < reference.get_submodule(name).weight.numel())
 
 
 def check_pp(model_type: str, pp: int = 2, schedule: str = "zb-h1", n_microbatches: int = 4, tp: int = 1,
