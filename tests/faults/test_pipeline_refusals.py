@@ -4,8 +4,9 @@ with a PlanError naming what and why (2 gloo ranks, tiny float32 models, seconds
 - a model whose own loss reads more than its logits (ProphetNet adds its n-gram streams'
   predictions): the last stage computes the loss from the logits alone;
 - a tensor the model's forward builds from a layer's output and hands to later layers itself
-  (Inkling 2's block states, at a block boundary every 2 layers): a later stage would build it
-  from placeholders, and its gradient would not reach the layer that computed it.
+  (Inkling 2's block states, a block boundary at every layer): the stage starting at layer 2
+  would build it from placeholders where it holds layer 0's output, and its gradient would not
+  reach layer 0 (only the output of the layer before a stage reaches it: the hidden states).
 """
 import pytest
 import torch
@@ -16,8 +17,9 @@ WITHIN_S = 60.0  # one traced forward of a tiny model, then the refusal
 
 CASES = {
     "loss reads more than the logits": ("prophetnet", {}, ["ProphetNetForCausalLM's own loss reads more than its logits"]),
-    "tensor carried between layers": ("inkling2_text", {"n_layers_per_attn_res_block": 2},
-                                      ["model.layers.3 reads a tensor", "output of model.layers.1", "use pp=1"]),
+    "tensor carried between layers": ("inkling2_text", {"n_layers_per_attn_res_block": 1},
+                                      ["model.layers.2 reads a tensor", "output of model.layers.0",
+                                       "stage starting at model.layers.2", "use pp=1"]),
 }
 
 

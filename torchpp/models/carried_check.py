@@ -1,17 +1,19 @@
-"""Whether a model's forward carries, between its layers, a tensor computed from a layer's output
-other than the hidden states (read from one traced forward; pp > 1).
+"""Which layer outputs a model's forward hands, besides the hidden states, to later layers and
+to the modules after the stack (read from one traced forward; pp > 1), and whether a cut lets
+every stage have them.
 
-A later pipeline stage receives only the hidden states entering its first layer (and what
-``PipelineLayout.extras`` and ``layer_state`` describe); it reruns the model's forward up to that
-layer on placeholders. A tensor the forward itself builds from earlier layers' outputs and hands
-to a later layer or end module (Inkling 2's block states: the hidden states at each block
-boundary, concatenated) would then be built from placeholders there, and its gradient would
-never reach the layers that computed it: the cut is refused instead of training on wrong
-gradients.
+A later pipeline stage receives the hidden states entering its first layer, the output of the
+layer before it (and what ``PipelineLayout.extras`` and ``layer_state`` describe); it reruns
+the model's forward up to that layer on placeholders, the one before its first layer returning
+what it received. A tensor the forward itself builds from an earlier layer's output (Inkling
+2's block states: the hidden states at each block boundary, concatenated) would be built there
+from placeholders, and its gradient would never reach the layer that computed it: such a cut is
+refused instead of training on wrong gradients.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Set
+from bisect import bisect_right
+from typing import Dict, List, Sequence, Set, Tuple
 
 import torch
 
@@ -29,28 +31,46 @@ class CarriedAcrossLayers:
         self.side: Dict[int, List[torch.Tensor]] = {}  # layer index -> its inputs other than the hidden states
         self.module_inputs: Dict[str, List[torch.Tensor]] = {}  # end module path -> its inputs
 
-    def refuse(self, stack: str, after: Sequence[str]) -> None:
-        """Raises PlanError naming the first layer (or module after the stack) whose inputs other
-        than the hidden states are computed from an earlier layer's output.
+    def reads(self, after: Sequence[str]) -> Dict[str, Tuple[int, Tuple[int, ...]]]:
+        """{reader: (where it runs: its layer index, or the number of layers for a module after the
+        stack, the layer outputs it reads besides its hidden states)} (``PipelineLayout.reads``).
 
         Args:
-            stack: path of the stack of layers.
-            after: paths of the modules that run after it (the last stage).
+            after: paths of the modules that run after the stack (the last stage).
         """
         named = {id(fn): str(i) for i, fn in self.outputs.items() if fn is not None}
-        last = max(self.outputs, default=-1)
-        # A layer may read no earlier layer's output but as its hidden states; a module after the stack, the last one's.
-        readers = [(f"{stack}.{j}", tensors, j) for j, tensors in sorted(self.side.items())]
-        readers += [(path, self.module_inputs.get(path, []), last) for path in after]
-        for reader, tensors, limit in readers:
+        end = max(self.outputs, default=-1) + 1
+        # Left out: the output a reader takes anyway (a layer's input, an end module's last layer output).
+        readers = [(str(j), tensors, j) for j, tensors in sorted(self.side.items())]
+        readers += [(path, self.module_inputs.get(path, []), end) for path in after]
+        found = {}
+        for reader, tensors, at in readers:
             walk = walk_back([t for t in tensors if t.is_floating_point()], named=named, blocked=self.handed_on)
-            earlier = sorted(int(i) for i in walk.reached if int(i) < limit)
+            earlier = tuple(sorted(int(i) for i in walk.reached if int(i) < at - 1))
             if earlier:
-                raise PlanError(f"torchpp.parallelize: {reader} reads a tensor the model's forward computes from the "
-                                f"output of {stack}.{earlier[0]} and carries between its layers itself (besides the "
-                                f"hidden states the pipeline passes from stage to stage): a stage after that layer "
-                                f"would compute it from placeholders and its gradient would not reach "
-                                f"{stack}.{earlier[0]}; use pp=1")
+                found[reader] = (at, earlier)
+        return found
+
+
+def check_cut(stack: str, reads: Dict[str, Tuple[int, Tuple[int, ...]]], bounds: Sequence[int]) -> None:
+    """Raises PlanError where a stage reads the output of a layer of an earlier stage other than
+    the last one before its own first layer (which it receives: the hidden states).
+
+    Args:
+        stack: path of the stack of layers.
+        reads: ``PipelineLayout.reads``.
+        bounds: [0, first layer of stage 1, ..., number of layers].
+    """
+    for reader, (at, outputs) in reads.items():
+        first = bounds[bisect_right(bounds, min(at, bounds[-1] - 1)) - 1]
+        unreachable = [i for i in outputs if i < first - 1]
+        if unreachable:
+            name = f"{stack}.{reader}" if reader.isdigit() else reader
+            raise PlanError(f"torchpp.parallelize: {name} reads a tensor the model's forward computes from the "
+                            f"output of {stack}.{unreachable[0]} and carries between its layers itself (besides the "
+                            f"hidden states the pipeline passes from stage to stage): the stage starting at "
+                            f"{stack}.{first} would compute it from placeholders and its gradient would not reach "
+                            f"{stack}.{unreachable[0]}; choose split= so that no stage starts between them, or use pp=1")
 
 
 def other_inputs(args: tuple, kwargs: dict) -> List[torch.Tensor]:

@@ -14,14 +14,18 @@ from torch import nn
 
 
 class ElsewhereLayer(nn.Module):
-    """Stands in for a layer held by another pipeline rank; passes its input through (a stage
-    entered later swaps in what it received, so nothing it returns is used). Where the model's
+    """Stands in for a layer held by another pipeline rank; passes its input through, but the one
+    before a later stage's first layer returns the hidden states that stage received (which also
+    enter its first layer: a pre-hook swaps them in). Where the model's
     layers return more than the hidden states (``(hidden, topk_indices)``, which the model
     hands to the next layer), it returns those ``extras`` too: what the previous stage's last
     layer returned, set by the stage running the model's forward."""
 
     placeholder = True  # plans skip it
     extras: Optional[tuple] = None
+    # The layer before a later stage's first returns the hidden states that stage received: what the
+    # model's forward computes from them between the layers (Inkling 2's block states) is then right.
+    received: Optional[torch.Tensor] = None  # not "output": models read their layers' (X-MOD)
 
     def __init__(self, index: int, layer: Optional[nn.Module] = None, like: Optional[nn.Module] = None):
         super().__init__()
@@ -44,7 +48,8 @@ class ElsewhereLayer(nn.Module):
             return getattr(like, name)
 
     def forward(self, *args, **kwargs):
-        hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+        hidden = self.received if self.received is not None else \
+            args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
         return hidden if self.extras is None else (hidden, *self.extras)
 
     def extra_repr(self) -> str:

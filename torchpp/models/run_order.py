@@ -54,9 +54,8 @@ def traced_layout(model: nn.Module, layout: PipelineLayout, vocab_size: int) -> 
     before = [p for p in rest if first_call.get(p, end + 1) < start or (p not in first_call and p in registered_before)]
     after = [p for p in rest if p not in before]
     by_call = lambda p: first_call.get(p, float("inf"))  # noqa: E731 - modules that never ran keep their place
-    carried.refuse(layout.layers, after)
     return PipelineLayout(layout.layers, sorted(before, key=by_call), sorted(after, key=by_call), shared, extras,
-                          state)
+                          state, carried.reads(after))
 
 
 def _holds_any(module: nn.Module, reached: Set[int]) -> bool:

@@ -45,6 +45,11 @@ class PipelineLayout:
         shared: paths of the modules every stage runs (their parameters reach the layers'
             inputs other than the hidden states: ``torchpp.models.run_order``); kept on
             every pipeline rank, their gradients summed over the pipeline.
+        reads: what the model's forward hands to a layer or a module after the stack, besides its
+            hidden states, computed from earlier layers' outputs (Inkling 2's block states): {the
+            layer's index, or the module's path: (the layer index it runs at, or the number of
+            layers, the layer outputs read)} (``torchpp.models.carried_check``). A stage receives
+            the output of the layer before its first; one of an earlier layer cannot reach it.
     """
 
     layers: str
@@ -53,6 +58,7 @@ class PipelineLayout:
     shared: List[str] = field(default_factory=list)
     extras: Dict[int, Tuple[bool, ...]] = field(default_factory=dict)
     layer_state: Dict[int, Tuple[str, Tuple[Tuple[str, int], ...]]] = field(default_factory=dict)
+    reads: Dict[str, Tuple[int, Tuple[int, ...]]] = field(default_factory=dict)
 
 
 def get_submodule(model: nn.Module, path: str) -> nn.Module:
@@ -153,13 +159,16 @@ class ModelStage(nn.Module):
         placeholders = [layer for layer in stack if isinstance(layer, ElsewhereLayer)]
         for layer in placeholders:  # the layers before ours hand on what the previous stage's last returned
             layer.extras = extras
+        before_ours = stack[self.layer_range[0] - 1] if self.layer_range[0] > 0 else None
+        if isinstance(before_ours, ElsewhereLayer):
+            before_ours.received = incoming
         self._incoming, self._incoming_state, self._active = incoming, state, True
         try:
             yield
         finally:
             self._incoming, self._incoming_state, self._active = None, None, False
             for layer in placeholders:
-                layer.extras = None
+                layer.extras = layer.received = None
             for i, layer in self._others.items():
                 stack[i] = layer
 
