@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from torchpp import tensor_parallel as tp
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
 from torchpp.models.parallel_model import ParallelMixin
 from torchpp.models.plans import text_config
 
@@ -52,9 +53,9 @@ def model_shifts_labels(model, vocab_size: int) -> bool:
         return True
     generator = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, vocab_size, (2, 1, 8), generator=generator).to(device)
-    try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
-                                                        device_type=device.type):
+    try:  # with autograd (the walk below), leaving no history on the modules (RecurrentGemma's state)
+        with torch.enable_grad(), leaving_no_history(model), torch.random.fork_rng(
+                devices=[] if device.type == "cpu" else [device], device_type=device.type):
             out = model(input_ids=ids, labels=labels, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot run here: transformers' convention
         return True
@@ -73,7 +74,6 @@ def _check_loss_reads_logits(model, out) -> None:
     """Raises PlanError where the model's loss reaches a parameter other than through its logits
     (or its MoE load-balancing loss, which the pipeline adds itself): a walk back through autograd,
     exact whatever the dtype."""
-    from torchpp.models.autograd_walk import walk_back
     from torchpp.tensor_parallel.styles import PlanError
 
     ends = [t.grad_fn for t in (out.logits, getattr(out, "aux_loss", None))

@@ -25,7 +25,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import walk_back
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
 from torchpp.models.carried_check import CarriedAcrossLayers, other_inputs
 from torchpp.models.stages import PipelineLayout, get_submodule
 
@@ -132,7 +132,8 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     devices = [device] if device.type not in ("cpu", "meta") else []
     try:  # the trace draws no random numbers the training would (dropout): the streams are restored
-        with torch.enable_grad(), torch.random.fork_rng(devices=devices, device_type=device.type):
+        with torch.enable_grad(), leaving_no_history(model), torch.random.fork_rng(devices=devices,
+                                                                                 device_type=device.type):
             model(input_ids=ids, use_cache=False)
     finally:
         for hook in hooks:

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import walk_back
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
 from torchpp.models.stages import get_submodule
 from torchpp.tensor_parallel.styles import PlanError
 
@@ -66,8 +66,8 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device],
-                                                        device_type=device.type):
+        with torch.enable_grad(), leaving_no_history(model), torch.random.fork_rng(
+                devices=[] if device.type == "cpu" else [device], device_type=device.type):
             model(input_ids=ids, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot run here is not judged
         return
