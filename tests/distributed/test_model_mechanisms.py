@@ -20,7 +20,11 @@ Pipeline (pp=2):
   rule cannot decide);
 - a block layers on several pipeline ranks share (Zamba's attention, tied from its first hybrid
   layer to the others): its gradients summed over the pipeline; so are those of parameters the
-  base model holds itself (Zaya's input scale and bias, which no placeholder replaces).
+  base model holds itself (Zaya's input scale and bias, which no placeholder replaces);
+- a head wider than config.vocab_size (Inkling 2's head is unpadded_vocab_size wide): the
+  pipeline's loss takes every logit, as the model's own does; and a tensor the forward builds
+  between the layers from the hidden states entering a stage (Inkling 2's block states, a block
+  boundary at the cut): the placeholder of the layer before the stage returns what it received.
 Tensor parallelism (tp=2):
 - per-layer configs (transformers' heterogeneous configs): head counts read per layer;
 - statistics across a split width (ESMC's full-width q/k norms, Gemma 3n's sparse activations):
@@ -63,6 +67,8 @@ MECHANISMS = {
     "plan='auto' at tp=1 reads only the stack": [("pp", "zamba2", {"plan": "auto"})],
     "a block layers on both pipeline ranks share": [("pp", "zamba", {"plan": "auto"})],
     "parameters the base model holds itself": [("pp", "zaya", {"plan": "auto"})],
+    "a head wider than the vocabulary, block states built at the cut": [
+        ("pp", "inkling2_text", {"plan": "auto", "unpadded_vocab_size": 120, "n_layers_per_attn_res_block": 2})],
     "per-layer head counts": [("tp", "embedding_gemma2_text", {})],
     "statistics across a split width": [("tp", "esmc", {}), ("tp", "gemma3n_text", {}), ("tp", "glm5_next_text", {})],
     "fused and shared experts": [("tp", "inkling_text", {})],

@@ -8,7 +8,7 @@ from torchpp.models.auto_plan import auto_plans, find_stack
 from torchpp.models.passes.resolve import layer_contexts
 from torchpp.models.plans import hf_layout, hf_tp_plan
 from torchpp.models.run_order import traced_layout
-from torchpp.models.stages import Elsewhere
+from torchpp.models.placeholders import Elsewhere
 from torchpp.tensor_parallel.styles import PlanError, TPContext
 from torchpp.testing.tiny_models import tiny_model
 

@@ -12,7 +12,7 @@ from torchpp.models.passes import (WrapState, apply_pipeline_cut, apply_plans, a
                                    apply_zero)
 from torchpp.models.passes.pipeline_cut import layer_bounds, placement
 from torchpp.models.plans import hf_layout
-from torchpp.models.stages import Elsewhere, ElsewhereLayer
+from torchpp.models.placeholders import Elsewhere, ElsewhereLayer
 from torchpp.tensor_parallel.styles import PlanError
 from torchpp.testing.tiny_models import tiny_model
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from torchpp import tensor_parallel as tp
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
 from torchpp.models.parallel_model import ParallelMixin
 from torchpp.models.plans import text_config
 from torchpp.tensor_parallel.random import rng_restored
@@ -38,30 +39,52 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[d
                                              reduction=reduction)
 
 
-@torch.no_grad()
 def model_shifts_labels(model, vocab_size: int) -> bool:
     """Whether the model's own loss is transformers' causal one (token t predicts label t+1),
     or compares each token's logits with its own label, as the causal-LM heads of some
     encoder-decoder families do (Blenderbot's): one forward on a few random tokens tells. The
-    pipeline's loss follows the model's."""
+    pipeline's loss follows the model's.
+
+    Raises:
+        PlanError: the model's loss reads more than its logits (ProphetNet's adds its n-gram
+            streams' predictions): the pipeline's loss, computed from the logits alone, would differ.
+    """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "meta":  # nothing to run: transformers' convention
         return True
     generator = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, vocab_size, (2, 1, 8), generator=generator).to(device)
-    try:
-        with rng_restored(device):
+    try:  # with autograd (the walk below), leaving no history on the modules (RecurrentGemma's state)
+        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
             out = model(input_ids=ids, labels=labels, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot run here: transformers' convention
         return True
     if getattr(out, "loss", None) is None or getattr(out, "logits", None) is None:
         return True
-    logits = out.logits.double()[..., :vocab_size]
-    loss = out.loss.double()
+    _check_loss_reads_logits(model, out)
+    logits = out.logits.detach().double()  # all of them, as the model's loss takes them
+    loss = out.loss.detach().double()
     per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     shifted = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
     close = lambda a, b: bool(torch.isclose(a, b, rtol=1e-4, atol=1e-6))  # noqa: E731 - losses in float32
     return not (close(loss, per_token) and not close(loss, shifted))
+
+
+def _check_loss_reads_logits(model, out) -> None:
+    """Raises PlanError where the model's loss reaches a parameter other than through its logits
+    (or its MoE load-balancing loss, which the pipeline adds itself): a walk back through autograd,
+    exact whatever the dtype."""
+    from torchpp.tensor_parallel.styles import PlanError
+
+    ends = [t.grad_fn for t in (out.logits, getattr(out, "aux_loss", None))
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    reached = walk_back([out.loss], blocked=ends).params
+    if reached:
+        names = [name for name, p in model.named_parameters() if id(p) in reached]
+        raise PlanError(f"torchpp.parallelize: {type(model).__name__}'s own loss reads more than its logits "
+                        f"(it reaches {names[:3]} other than through out.logits, e.g. predictions it does not "
+                        f"return as logits): a pipeline's last stage computes the loss from the logits alone and "
+                        f"would train on another loss; use pp=1")
 
 
 class ParallelCausalLM(ParallelMixin):
@@ -79,7 +102,7 @@ class ParallelCausalLM(ParallelMixin):
         """All-gathers vocab-parallel logits (``vocab_parallel_logits=True``) over TP, padding dropped."""
         from torchpp import ops
 
-        vocab = text_config(self).vocab_size
+        vocab = self._logits_width()
         if logits.size(-1) == vocab:
             return logits
         return ops.gather_from_tp_region(logits, self.tp_group, dim=-1)[..., :vocab]
@@ -107,6 +130,17 @@ class ParallelCausalLM(ParallelMixin):
             out.loss = cp.sum_over_ranks(out.loss)
         return out
 
+    def _logits_width(self) -> int:
+        """How many logits the model's head computes, all of which transformers' loss takes (a head
+        wider than config.vocab_size included: Inkling 2's unpadded_vocab_size); a column-split
+        head's slices are padded beyond it where tp does not divide it."""
+        head = self.get_output_embeddings()
+        tp_conf = getattr(head, "tp", None)
+        if tp_conf is not None and getattr(tp_conf, "out_features", None):
+            return tp_conf.out_features
+        # nn.Linear's out_features, transformers' Conv1D's nf; else the config's vocabulary.
+        return getattr(head, "out_features", None) or getattr(head, "nf", None) or text_config(self).vocab_size
+
     def _lm_group(self) -> Optional[dist.ProcessGroup]:
         head = self.get_output_embeddings()
         tp_conf = getattr(head, "tp", None)
@@ -117,7 +151,7 @@ class ParallelCausalLM(ParallelMixin):
         """transformers' ForCausalLMLoss on vocab-parallel logits (``vocab_parallel_logits=True``)."""
         if shift_labels is not None:
             labels = torch.nn.functional.pad(shift_labels, (1, 0), value=ignore_index)
-        vocab = vocab_size or text_config(self).vocab_size
+        vocab = self._logits_width()  # the model may pass logits.size(-1): this rank's slice
         if num_items_in_batch is None:
             return causal_lm_loss(logits, labels, self._lm_group(), vocab)
         return causal_lm_loss(logits, labels, self._lm_group(), vocab, reduction="sum") / num_items_in_batch
@@ -127,7 +161,7 @@ class ParallelCausalLM(ParallelMixin):
         # summing over the batch's labelled tokens makes the total exactly the batch mean,
         # even when microbatches hold different numbers of ignored labels.
         logits, load = (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
-        total = causal_lm_loss(logits, labels, self._lm_group(), text_config(self).vocab_size, reduction="sum",
+        total = causal_lm_loss(logits, labels, self._lm_group(), self._logits_width(), reduction="sum",
                                shifted=self.context_parallel is not None or not self.loss_shifts_labels)
         loss = total / self._batch_tokens * (self._batch_rows / labels.size(0))
         if not load:

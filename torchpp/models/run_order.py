@@ -25,7 +25,8 @@ from typing import Dict, List, Set, Tuple
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import walk_back
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
+from torchpp.models.carried_check import CarriedAcrossLayers, other_inputs
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.random import rng_restored
 
@@ -42,7 +43,7 @@ def traced_layout(model: nn.Module, layout: PipelineLayout, vocab_size: int) -> 
     """
     candidates = list(layout.before) + list(layout.after)
     try:
-        first_call, start, end, reached, extras, state, handed = _trace(model, layout, candidates, vocab_size)
+        first_call, start, end, reached, extras, state, handed, carried = _trace(model, layout, candidates, vocab_size)
     except Exception:  # noqa: BLE001 - a model that cannot run here keeps the registration order
         return layout
     # Run before the stack's end (or inside it) and feeding the layers: every stage needs it. (A tied
@@ -55,7 +56,7 @@ def traced_layout(model: nn.Module, layout: PipelineLayout, vocab_size: int) -> 
     after = [p for p in rest if p not in before]
     by_call = lambda p: first_call.get(p, float("inf"))  # noqa: E731 - modules that never ran keep their place
     return PipelineLayout(layout.layers, sorted(before, key=by_call), sorted(after, key=by_call), shared, extras,
-                          state)
+                          state, carried.reads(after))
 
 
 def _holds_any(module: nn.Module, reached: Set[int]) -> bool:
@@ -75,23 +76,30 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     state: Dict[int, tuple] = {}
     layers = list(get_submodule(model, layout.layers))
     hooks = []
+    carried = CarriedAcrossLayers()
 
     def on_call(path):
         def hook(module, args):
             first_call.setdefault(path, next(counter))
         return hook
 
-    def on_layer(module, args, kwargs):
-        marks.setdefault("start", next(counter))
-        others = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
-        side.extend(_tensors(others))
+    def on_layer(index):
+        def hook(module, args, kwargs):
+            marks.setdefault("start", next(counter))
+            others = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+            side.extend(_tensors(others))
+            carried.side.setdefault(index, other_inputs(args, kwargs))
+        return hook
 
     def on_layer_exit(index):
         def hook(module, args, kwargs, output):
             marks["end"] = next(counter)
             exits.update(t.grad_fn for t in _tensors([output]) if t.grad_fn is not None)
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            carried.outputs.setdefault(index, getattr(hidden, "grad_fn", None))
             if isinstance(output, (tuple, list)):  # (hidden, what the next layer reads), or (hidden,)
                 extras[index] = tuple(isinstance(o, torch.Tensor) for o in output[1:])
+                carried.handed_on.update(t.grad_fn for t in _tensors(list(output[1:])) if t.grad_fn is not None)
             for name, value in kwargs.items():  # a mapping the layers fill for later layers (shared k/v)
                 if isinstance(value, (dict, UserDict)) and value and all(
                         isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v) for v in value.values()):
@@ -100,6 +108,11 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
 
     outputs: Dict[str, Set[int]] = {}
     steering: Set[str] = set()  # modules returning integers (BLT's patcher: patch lengths)
+
+    def on_input(path):
+        def hook(module, args, kwargs):
+            carried.module_inputs.setdefault(path, _tensors([list(args), kwargs]))
+        return hook
 
     def on_output(path):
         def hook(module, args, output):
@@ -112,13 +125,14 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     for path in candidates:  # a container (a ModuleList of projections) runs when its first member does
         hooks.extend(module.register_forward_pre_hook(on_call(path)) for module in get_submodule(model, path).modules())
         hooks.append(get_submodule(model, path).register_forward_hook(on_output(path)))
+        hooks.append(get_submodule(model, path).register_forward_pre_hook(on_input(path), with_kwargs=True))
     for index, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(on_layer, with_kwargs=True))
+        hooks.append(layer.register_forward_pre_hook(on_layer(index), with_kwargs=True))
         hooks.append(layer.register_forward_hook(on_layer_exit(index), with_kwargs=True))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     try:  # the trace draws no random numbers the training would (dropout): the streams are restored
-        with torch.enable_grad(), rng_restored(device):
+        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
             model(input_ids=ids, use_cache=False)
     finally:
         for hook in hooks:
@@ -127,7 +141,8 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     side_storage = {t.untyped_storage().data_ptr() for t in side}
     # ... or whose integer outputs steer the rest of the forward: zeros in their place would change it.
     handed = {path for path, ptrs in outputs.items() if ptrs & side_storage} | steering
-    return first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state, handed
+    return (first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state, handed,
+            carried)
 
 
 def _tensors(values) -> List[torch.Tensor]:

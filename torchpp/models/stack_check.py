@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import walk_back
+from torchpp.models.autograd_walk import leaving_no_history, walk_back
 from torchpp.models.stages import get_submodule
 from torchpp.tensor_parallel.styles import PlanError
 from torchpp.tensor_parallel.random import rng_restored
@@ -67,7 +67,7 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     try:
-        with torch.enable_grad(), rng_restored(device):
+        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
             model(input_ids=ids, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that cannot run here is not judged
         return

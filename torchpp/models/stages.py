@@ -18,12 +18,13 @@ layers, the modules after it.
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from torchpp.models.placeholders import Elsewhere, ElsewhereLayer, meta_copy
 
 
 @dataclass
@@ -44,6 +45,11 @@ class PipelineLayout:
         shared: paths of the modules every stage runs (their parameters reach the layers'
             inputs other than the hidden states: ``torchpp.models.run_order``); kept on
             every pipeline rank, their gradients summed over the pipeline.
+        reads: what the model's forward hands to a layer or a module after the stack, besides its
+            hidden states, computed from earlier layers' outputs (Inkling 2's block states): {the
+            layer's index, or the module's path: (the layer index it runs at, or the number of
+            layers, the layer outputs read)} (``torchpp.models.carried_check``). A stage receives
+            the output of the layer before its first; one of an earlier layer cannot reach it.
     """
 
     layers: str
@@ -52,6 +58,7 @@ class PipelineLayout:
     shared: List[str] = field(default_factory=list)
     extras: Dict[int, Tuple[bool, ...]] = field(default_factory=dict)
     layer_state: Dict[int, Tuple[str, Tuple[Tuple[str, int], ...]]] = field(default_factory=dict)
+    reads: Dict[str, Tuple[int, Tuple[int, ...]]] = field(default_factory=dict)
 
 
 def get_submodule(model: nn.Module, path: str) -> nn.Module:
@@ -61,108 +68,6 @@ def get_submodule(model: nn.Module, path: str) -> nn.Module:
 def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(get_submodule(model, parent), name, module)
-
-
-class ElsewhereLayer(nn.Module):
-    """Stands in for a layer held by another pipeline rank; passes its input through (a stage
-    entered later swaps in what it received, so nothing it returns is used). Where the model's
-    layers return more than the hidden states (``(hidden, topk_indices)``, which the model
-    hands to the next layer), it returns those ``extras`` too: what the previous stage's last
-    layer returned, set by the stage running the model's forward."""
-
-    placeholder = True  # plans skip it
-    extras: Optional[tuple] = None
-
-    def __init__(self, index: int, layer: Optional[nn.Module] = None, like: Optional[nn.Module] = None):
-        super().__init__()
-        self.index = index
-        # The model may read its layers' plain attributes (an attention type per layer): keep them.
-        for name, value in vars(layer or nn.Module()).items():
-            if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool)):
-                setattr(self, name, value)
-        # Anything else it reads (a class attribute, X-MOD's layer[0].output.adapter_modules) comes from
-        # ``like``: the layer itself where this rank holds it, else its copy on the meta device (no memory).
-        object.__setattr__(self, "_like", like)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            like = self.__dict__.get("_like")
-            if like is None or name.startswith("_"):
-                raise
-            return getattr(like, name)
-
-    def forward(self, *args, **kwargs):
-        hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
-        return hidden if self.extras is None else (hidden, *self.extras)
-
-    def extra_repr(self) -> str:
-        return f"layer {self.index} is on another pipeline rank"
-
-
-class Elsewhere(nn.Module):
-    """Stands in for a module (embedding, final norm, head) held by another pipeline rank.
-
-    One that runs before the layers (``before``) still gets called by a later stage's run of
-    the model's forward, whose result up to the stage's first layer is thrown away: it
-    returns zeros shaped as the module's output (a copy of the module on the meta device,
-    not registered, computes the shapes), so what the forward does with it (masks built from
-    the embeddings' shape, scaling) runs as on the first stage. One after the layers is never
-    reached."""
-
-    placeholder = True  # plans skip it
-
-    def __init__(self, path: str, before: bool, module: Optional[nn.Module] = None):
-        super().__init__()
-        self.path, self.before = path, before
-        object.__setattr__(self, "_shape_of", _meta_copy(module) if before and module is not None else None)
-        # The model may read the module's own tensors (``embed_tokens.weight.device``): their shape, dtype, device.
-        held = {} if module is None else {**dict(module.named_parameters(recurse=False)),
-                                          **dict(module.named_buffers(recurse=False))}
-        object.__setattr__(self, "_held", {name: (t.shape, t.dtype, t.device) for name, t in held.items()})
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            held = self.__dict__.get("_held", {})
-            if name not in held:
-                raise
-            shape, dtype, device = held[name]
-            return torch.zeros((), dtype=dtype, device=device).expand(shape)  # no memory: one zero, broadcast
-
-    def forward(self, *args, **kwargs):
-        if not self.before:
-            raise RuntimeError(f"torchpp pipeline: {self.path} is held by another pipeline rank and cannot run here")
-        like = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
-        device = None if like is None else like.device
-        if self._shape_of is not None:
-            to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
-            with torch.no_grad():
-                shapes = self._shape_of(*map(to_meta, args), **{k: to_meta(v) for k, v in kwargs.items()})
-            return _zeros_like_tree(shapes, device)
-        dtype = torch.get_default_dtype() if like is None or not like.is_floating_point() else like.dtype
-        return torch.zeros((), dtype=dtype, device=device)
-
-    def extra_repr(self) -> str:
-        return f"{self.path} is on another pipeline rank"
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory)."""
-    memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
-                    if isinstance(t, nn.Parameter) else torch.empty_like(t, device="meta"))
-            for t in list(module.parameters()) + list(module.buffers())}
-    return copy.deepcopy(module, memo)
-
-
-def _zeros_like_tree(value, device):
-    if isinstance(value, torch.Tensor):
-        return torch.zeros(value.shape, dtype=value.dtype, device=device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_zeros_like_tree(v, device) for v in value)
-    return value
 
 
 class _Exit(Exception):
@@ -254,13 +159,16 @@ class ModelStage(nn.Module):
         placeholders = [layer for layer in stack if isinstance(layer, ElsewhereLayer)]
         for layer in placeholders:  # the layers before ours hand on what the previous stage's last returned
             layer.extras = extras
+        before_ours = stack[self.layer_range[0] - 1] if self.layer_range[0] > 0 else None
+        if isinstance(before_ours, ElsewhereLayer):
+            before_ours.received = incoming
         self._incoming, self._incoming_state, self._active = incoming, state, True
         try:
             yield
         finally:
             self._incoming, self._incoming_state, self._active = None, None, False
             for layer in placeholders:
-                layer.extras = None
+                layer.extras = layer.received = None
             for i, layer in self._others.items():
                 stack[i] = layer
 
@@ -407,7 +315,7 @@ def cut_in_place(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int]
     kept = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i in range(len(stack)):
         if i not in kept:
-            stack[i] = ElsewhereLayer(i, stack[i], like=_meta_copy(stack[i]))
+            stack[i] = ElsewhereLayer(i, stack[i], like=meta_copy(stack[i]))
     keep_before, keep_after = 0 in mine, num_stages - 1 in mine
     for paths, keep, before in ((layout.before, keep_before, True), (layout.after, keep_after, False)):
         if not keep:

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from torchpp.models.carried_check import check_cut
 from torchpp.models.parallel_config import PipelineOptions
 from torchpp.models.passes.resolve import tied_across_ends, tied_parameters
 from torchpp.models.passes.state import Placement, WrapState
@@ -39,7 +40,10 @@ def apply_pipeline_cut(model: nn.Module, state: WrapState, options: PipelineOpti
     if isinstance(split, str) and split == "auto":
         split, state.stage_costs = _auto_split(model, layout, where.num_stages, ps.pp, where.rank_of)
     bounds = layer_bounds(num_layers, where.num_stages, split)
-    state.tied_layers = tied_across_layers(model, layout.layers, bounds, where.rank_of, ps.pp)
+    check_cut(layout.layers, layout.reads, bounds)
+    state.tied_layers = tied_across_layers(model, layout, bounds, where.rank_of, ps.pp)
+    summed = {id(p) for p in state.tied_layers}  # over the pipeline: not again between the end stages
+    state.tied_across = [p for p in state.tied_across if id(p) not in summed]
     state.stages = cut_in_place(model, layout, bounds, where.mine, state.hf)
     return model
 
@@ -89,30 +93,43 @@ def _auto_split(model: nn.Module, layout: PipelineLayout, num_stages: int, pp: i
     return auto_split(model, num_stages, pp, rank_of, layout)
 
 
-def tied_across_layers(model: nn.Module, stack: str, bounds: Sequence[int], rank_of: Dict[int, int],
+def tied_across_layers(model: nn.Module, layout: PipelineLayout, bounds: Sequence[int], rank_of: Dict[int, int],
                        pp: int) -> List[nn.Parameter]:
-    """Parameters that layers of stages on different pipeline ranks hold (Zamba's one attention block
-    shared by its hybrid layers), read before the cut: every rank lists the same. Their gradients are
-    summed over the pipeline, so every pipeline rank must hold one of those layers.
+    """Parameters that a layer and a module on another pipeline rank hold: another layer (Zamba's
+    one attention block shared by its hybrid layers), or a module before or after the stack (a
+    norm tied to a layer's). Read before the cut: every rank lists the same. Their gradients are
+    summed over the pipeline, so every pipeline rank must hold one of their holders.
 
     Raises:
-        PlanError: naming a parameter some pipeline rank's layers lack.
+        PlanError: naming a parameter some pipeline rank's modules lack.
     """
     from bisect import bisect_right
 
     from torchpp.tensor_parallel.styles import PlanError
 
+    stack, last = layout.layers, rank_of[len(bounds) - 2]
+
+    def holder_rank(name: str) -> Optional[int]:
+        if name.startswith(f"{stack}."):
+            return rank_of[bisect_right(bounds, int(name[len(stack) + 1:].split(".", 1)[0])) - 1]
+        ends = [(layout.before, rank_of[0]), (layout.after, last)]
+        return next((rank for paths, rank in ends if any(name.startswith(f"{p}.") for p in paths)), None)
+
     ranks: Dict[int, set] = {}
     found: Dict[int, Tuple[nn.Parameter, str]] = {}
+    in_stack: Dict[int, None] = {}  # ordered as named_parameters: every rank sums them in one order
     for name, param in model.named_parameters(remove_duplicate=False):
+        rank = holder_rank(name)
+        if rank is not None:
+            ranks.setdefault(id(param), set()).add(rank)
         if name.startswith(f"{stack}."):
-            layer = int(name[len(stack) + 1:].split(".", 1)[0])
-            ranks.setdefault(id(param), set()).add(rank_of[bisect_right(bounds, layer) - 1])
+            in_stack.setdefault(id(param))
             found.setdefault(id(param), (param, name))
-    across = [key for key, held in ranks.items() if len(held) > 1]
+    # (a parameter only end modules hold, a tied embedding and head, is resolve.tied_across_ends')
+    across = [key for key in in_stack if len(ranks[key]) > 1]
     for key in across:
         if len(ranks[key]) != pp:
-            raise PlanError(f"torchpp.parallelize: {found[key][1]} is shared by layers on pipeline ranks "
+            raise PlanError(f"torchpp.parallelize: {found[key][1]} is held by modules on pipeline ranks "
                             f"{sorted(ranks[key])} but not on every pipeline rank: its gradient cannot be summed; "
-                            f"choose split= so that every stage holds one of those layers, or pass pp=1")
+                            f"choose split= so that every stage holds one of its holders, or pass pp=1")
     return [found[key][0] for key in across]

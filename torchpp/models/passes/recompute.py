@@ -8,7 +8,8 @@ from typing import Optional
 from torch import nn
 
 from torchpp.models.passes.state import WrapState
-from torchpp.models.stages import ElsewhereLayer, get_submodule
+from torchpp.models.placeholders import ElsewhereLayer
+from torchpp.models.stages import get_submodule
 
 
 def apply_recompute(model: nn.Module, state: WrapState, mode: Optional[str]) -> nn.Module:

@@ -11,7 +11,8 @@ from torchpp.models.parallel_config import TensorOptions
 from torchpp.models.passes.resolve import context_of
 from torchpp.models.passes.state import WrapState
 from torchpp.models.plans import text_config
-from torchpp.models.stages import ElsewhereLayer, get_submodule
+from torchpp.models.placeholders import ElsewhereLayer
+from torchpp.models.stages import get_submodule
 from torchpp.tensor_parallel.plan import apply_sequence_parallel, apply_tp_plan
 from torchpp.tensor_parallel.styles import TPContext
 

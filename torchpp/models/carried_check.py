@@ -1,0 +1,86 @@
+"""Which layer outputs a model's forward hands, besides the hidden states, to later layers and
+to the modules after the stack (read from one traced forward; pp > 1), and whether a cut lets
+every stage have them.
+
+A later pipeline stage receives the hidden states entering its first layer, the output of the
+layer before it (and what ``PipelineLayout.extras`` and ``layer_state`` describe); it reruns
+the model's forward up to that layer on placeholders, the one before its first layer returning
+what it received. A tensor the forward itself builds from an earlier layer's output (Inkling
+2's block states: the hidden states at each block boundary, concatenated) would be built there
+from placeholders, and its gradient would never reach the layer that computed it: such a cut is
+refused instead of training on wrong gradients.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Dict, List, Sequence, Set, Tuple
+
+import torch
+
+from torchpp.models.autograd_walk import walk_back
+from torchpp.tensor_parallel.styles import PlanError
+
+
+class CarriedAcrossLayers:
+    """What one traced forward handed to each layer and end module besides the hidden states,
+    filled by ``torchpp.models.run_order``'s hooks."""
+
+    def __init__(self) -> None:
+        self.outputs: Dict[int, object] = {}  # layer index -> grad_fn of its hidden output
+        self.handed_on: Set[object] = set()  # grad_fns of what the stages carry (a layer's extra outputs)
+        self.side: Dict[int, List[torch.Tensor]] = {}  # layer index -> its inputs other than the hidden states
+        self.module_inputs: Dict[str, List[torch.Tensor]] = {}  # end module path -> its inputs
+
+    def reads(self, after: Sequence[str]) -> Dict[str, Tuple[int, Tuple[int, ...]]]:
+        """{reader: (where it runs: its layer index, or the number of layers for a module after the
+        stack, the layer outputs it reads besides its hidden states)} (``PipelineLayout.reads``).
+
+        Args:
+            after: paths of the modules that run after the stack (the last stage).
+        """
+        named = {id(fn): str(i) for i, fn in self.outputs.items() if fn is not None}
+        end = max(self.outputs, default=-1) + 1
+        # Left out: the output a reader takes anyway (a layer's input, an end module's last layer output).
+        readers = [(str(j), tensors, j) for j, tensors in sorted(self.side.items())]
+        readers += [(path, self.module_inputs.get(path, []), end) for path in after]
+        found = {}
+        for reader, tensors, at in readers:
+            walk = walk_back([t for t in tensors if t.is_floating_point()], named=named, blocked=self.handed_on)
+            earlier = tuple(sorted(int(i) for i in walk.reached if int(i) < at - 1))
+            if earlier:
+                found[reader] = (at, earlier)
+        return found
+
+
+def check_cut(stack: str, reads: Dict[str, Tuple[int, Tuple[int, ...]]], bounds: Sequence[int]) -> None:
+    """Raises PlanError where a stage reads the output of a layer of an earlier stage other than
+    the last one before its own first layer (which it receives: the hidden states).
+
+    Args:
+        stack: path of the stack of layers.
+        reads: ``PipelineLayout.reads``.
+        bounds: [0, first layer of stage 1, ..., number of layers].
+    """
+    for reader, (at, outputs) in reads.items():
+        first = bounds[bisect_right(bounds, min(at, bounds[-1] - 1)) - 1]
+        unreachable = [i for i in outputs if i < first - 1]
+        if unreachable:
+            name = f"{stack}.{reader}" if reader.isdigit() else reader
+            raise PlanError(f"torchpp.parallelize: {name} reads a tensor the model's forward computes from the "
+                            f"output of {stack}.{unreachable[0]} and carries between its layers itself (besides the "
+                            f"hidden states the pipeline passes from stage to stage): the stage starting at "
+                            f"{stack}.{first} would compute it from placeholders and its gradient would not reach "
+                            f"{stack}.{unreachable[0]}; choose split= so that no stage starts between them, or use pp=1")
+
+
+def other_inputs(args: tuple, kwargs: dict) -> List[torch.Tensor]:
+    """The tensors a layer gets besides its hidden states (its first argument), mappings left out
+    (masks by kind, and the layers' own state, which ``layer_state`` carries)."""
+    values = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+    found: List[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
