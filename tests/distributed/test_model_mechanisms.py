@@ -39,7 +39,8 @@ Tensor parallelism (tp=2):
   mixer), so do groups with a linear the rule cannot decide while the rest splits (Jamba's mamba mixer
   whole, its MLP split), fused parts a view cuts split part by part (Moshi's fc1), traced forwards leave no
   autograd history on modules (RecurrentGemma's recurrent state); a router sampling in training
-  (PhiMoE) draws the same in the wrapped model as in the reference.
+  (PhiMoE) draws the same in the wrapped model as in the reference; a linear class writing nn.Linear's
+  math out in its own forward (Falcon's FalconLinear) splits like nn.Linear.
 """
 import pytest
 
@@ -79,6 +80,8 @@ MECHANISMS = {
     "auto plans tried before splitting": [("tp", "falcon_h1", {"plan": "auto"}), ("tp", "moshi", {"plan": "auto"}),
                                           ("tp", "recurrent_gemma", {"plan": "auto"})],
     "random draws in training": [("tp", "phimoe", {"plan": "auto"})],  # its router samples experts
+    # FalconLinear writes nn.Linear's math out in its own forward: the TP forward stands in for it.
+    "linears writing out their own forward": [("tp", "falcon", {"plan": "auto"})],
 }
 FLAGSHIPS = ("gemma4_text", "gemma4_unified_text", "deepseek_v4", "mistral_large4_text")
 

@@ -116,12 +116,42 @@ def _calls_super_forward(cls: type, base: type) -> bool:
         return False
 
 
+# Relative difference allowed between a linear's own forward and its base's, per dtype (else 1e-2).
+SAME_FORWARD_RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def computes_base_forward(module: nn.Module, base: type) -> bool:
+    """Whether a linear whose class writes its own forward computes its base's (Falcon's
+    FalconLinear: ``input @ weight.T + bias`` by hand): it holds nothing but its weight and bias,
+    and on two random inputs its forward equals ``base``'s. The TP forward, the same math over
+    shards, then stands in for it. A module on the meta device cannot tell: False."""
+    weight = getattr(module, "weight", None)
+    held = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    if base is nn.Embedding or not isinstance(weight, torch.Tensor) or weight.is_meta or weight.dim() != 2 \
+            or held - {"weight", "bias"} or next(module.children(), None) is not None:
+        return False
+    width = weight.shape[1] if base is nn.Linear else weight.shape[0]  # Conv1D stores [in, out]
+    generator = torch.Generator().manual_seed(0)
+    rtol = SAME_FORWARD_RTOL.get(weight.dtype, 1e-2)
+    with torch.no_grad():
+        for rows in (3, 5):
+            x = torch.randn(rows, width, generator=generator, dtype=torch.float64).to(weight.device, weight.dtype)
+            try:
+                own, reference = type(module).forward(module, x), base.forward(module, x)
+            except Exception:  # noqa: BLE001 - a forward that cannot take a plain input is not a plain linear
+                return False
+            if not isinstance(own, torch.Tensor) or own.shape != reference.shape or \
+                    not torch.allclose(own, reference, rtol=rtol, atol=rtol * float(reference.abs().max())):
+                return False
+    return True
+
+
 def check_own_forward(module: nn.Module, base: Optional[type], name: str, style: str) -> None:
-    """Raises PlanError where ``module``'s class computes its own forward (Falcon's FalconLinear): a
-    style swaps ``base``'s forward (None: nn.Linear's or Conv1D's) for a TP one, which that class
-    would never call."""
+    """Raises PlanError where ``module``'s class computes its own forward, other than its base's
+    math written out (``computes_base_forward``): a style swaps ``base``'s forward (None:
+    nn.Linear's or Conv1D's) for a TP one, which that class would never call."""
     base = base or (nn.Linear if isinstance(module, nn.Linear) else _conv1d_class())
-    if not _calls_super_forward(type(module), base):
+    if not _calls_super_forward(type(module), base) and not computes_base_forward(module, base):
         raise PlanError(f"torchpp plan: style {style!r} on {name}: its class {type(module).__name__} computes its own "
                         f"forward, which the style cannot shard; give it a {base.__name__} forward or leave it "
                         f"out of the plan")
@@ -130,7 +160,8 @@ def check_own_forward(module: nn.Module, base: Optional[type], name: str, style:
 def _swap_class(module: nn.Module, tp_forward: type, base: type, name: str, style: str) -> None:
     """Gives ``module`` a subclass of its own class in which ``base``'s forward is
     ``tp_forward``'s: a subclass whose forward calls ``super().forward`` (a scaled embedding)
-    keeps its own part, and ``isinstance`` and state-dict names are unchanged."""
+    keeps its own part; one writing out ``base``'s math by hand (``computes_base_forward``) gets
+    the TP forward in its place; ``isinstance`` and state-dict names are unchanged."""
     cls = type(module)
     if getattr(cls, "_torchpp_tp_class", False):
         raise PlanError(f"torchpp plan: {name} has two styles; the second is {style!r}")
@@ -139,7 +170,10 @@ def _swap_class(module: nn.Module, tp_forward: type, base: type, name: str, styl
     if key not in _CLASSES:
         tp_base = _TP_BASES.setdefault((base, tp_forward), type(f"TP{base.__name__}", (tp_forward, base), {}))
         bases = (tp_base,) if cls is base else (cls, tp_base)
-        _CLASSES[key] = type(f"TP{cls.__name__}", bases, {"_torchpp_tp_class": True, "__module__": cls.__module__})
+        body = {"_torchpp_tp_class": True, "__module__": cls.__module__}
+        if not _calls_super_forward(cls, base):  # its forward is base's written out (check_own_forward)
+            body["forward"] = tp_forward.forward
+        _CLASSES[key] = type(f"TP{cls.__name__}", bases, body)
     module.__class__ = _CLASSES[key]
 
 
