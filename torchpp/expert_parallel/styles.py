@@ -20,25 +20,17 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpp import ops
-from torchpp.tensor_parallel.styles import PlanError
+from torchpp.tensor_parallel.sharding import GroupContext, PlanError
 
 
 @dataclass
-class EPContext:
+class EPContext(GroupContext):
     """What the expert-parallel styles applied to one model share."""
 
     group: dist.ProcessGroup
     capacity_factor: Optional[float] = None
     # Pairs dropped over capacity by each experts module in its last forward (name -> count).
     dropped: Dict[str, int] = field(default_factory=dict)
-
-    @property
-    def size(self) -> int:
-        return self.group.size()
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
 
 
 def is_expert_parameter(param: torch.Tensor) -> bool:

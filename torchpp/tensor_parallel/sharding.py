@@ -18,8 +18,22 @@ class PlanError(ValueError):
     """A plan that cannot be applied to the model: the message names the entry and the value."""
 
 
+class GroupContext:
+    """This rank's size and rank in ``self.group``: what a style's context (TP, EP) needs of it."""
+
+    group: dist.ProcessGroup
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+
 @dataclass
-class TPContext:
+class TPContext(GroupContext):
     """What every style applied to one model shares."""
 
     group: dist.ProcessGroup
@@ -29,14 +43,6 @@ class TPContext:
     num_kv_heads: Optional[int] = None
     head_dim: Optional[int] = None
     hooks: List[object] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return self.group.size()
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
 
 
 def shard_parameter(param: nn.Parameter, layout: Layout, ctx: TPContext, name: str) -> None:
