@@ -2,6 +2,8 @@
 // gradients, and handing received tensors to the action that consumes them.
 #include "runtime/executor.h"
 
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -14,6 +16,16 @@ namespace {
 
 [[noreturn]] void shape_error(const std::string& message) {
   throw PipelineFailure(FailureKind::Shape, "PipelineShapeError: " + message);
+}
+
+// What a stage on this rank handed over directly for `key` (no transfer), taken out of `local`.
+template <typename Map, typename Key>
+std::optional<typename Map::mapped_type> take_local(Map& local, const Key& key) {
+  auto found = local.find(key);
+  if (found == local.end()) return std::nullopt;
+  auto value = std::move(found->second);
+  local.erase(found);
+  return value;
 }
 
 }  // namespace
@@ -108,12 +120,7 @@ void Executor::receive_header(const Key& key, int src) {
 
 Tensors Executor::take_activation(const Action& consumer) {
   const Key key{consumer.stage, consumer.microbatch};
-  auto local = local_activations_.find(key);
-  if (local != local_activations_.end()) {
-    Tensors inputs = std::move(local->second);
-    local_activations_.erase(local);
-    return inputs;
-  }
+  if (auto local = take_local(local_activations_, key)) return std::move(*local);
   const Action recv_action{consumer.stage, ActionType::RECV_F, consumer.microbatch};
   if (activation_headers_.count(key)) receive_header(key, rank_of(consumer.stage - 1));
   auto recv = activation_recvs_.find(key);
@@ -128,12 +135,7 @@ Tensors Executor::take_activation(const Action& consumer) {
 
 Tensors Executor::take_gradient(const Action& consumer) {
   const Key key{consumer.stage, consumer.microbatch};
-  auto local = local_gradients_.find(key);
-  if (local != local_gradients_.end()) {
-    Tensors grads = std::move(local->second);
-    local_gradients_.erase(local);
-    return grads;
-  }
+  if (auto local = take_local(local_gradients_, key)) return std::move(*local);
   const MessageMeta meta = gradient_meta(key);
   if (meta.empty()) return {};
   auto recv = gradient_recvs_.find(key);

@@ -191,7 +191,7 @@ def _writer_output(layer: nn.Module, writer: str, args, kwargs, backward: bool) 
     finally:
         hook.remove()
     if backward:
-        from torchpp.models.auto_trace import first_tensor
+        from torchpp.models.autograd_walk import first_tensor
 
         out = first_tensor(output)
         if out is not None and out.requires_grad:

@@ -39,14 +39,13 @@ import torch
 from torch import nn
 
 from torchpp.models.auto_trace import PACKED_STYLES, LayerTrace, is_linear
-from torchpp.models.autograd_walk import leaving_no_history
+from torchpp.models.autograd_walk import TRACE_TOKENS, leaving_no_history
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.styles import PlanError, TPContext
 from torchpp.tensor_parallel.random import rng_restored
 
 LOG = logging.getLogger("torchpp")
-TRACE_TOKENS = 8
 # Attributes in which attention modules count their (query / key-value) heads or their width:
 # divided by tp on a branch whose projections are split (modules that reshape by -1 read none).
 HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import history, walk_back
+from torchpp.models.autograd_walk import first_tensor, history, walk_back
 
 
 # A reader whose output is split into equal parts along its features (fused q, k, v; fused gate
@@ -45,16 +45,6 @@ def _packed_outputs(nodes, outputs: Dict[int, str]) -> Dict[str, int]:
         for source in filter(None, sources):
             found[source] = count
     return found
-
-
-def first_tensor(value) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((t for t in map(first_tensor, value) if t is not None), None)
-    if isinstance(value, dict):  # transformers' ModelOutput is one
-        return first_tensor(list(value.values()))
-    return None
 
 
 class LayerTrace:

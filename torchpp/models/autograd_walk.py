@@ -9,6 +9,33 @@ from typing import Iterable, List, Mapping, Optional, Set
 import torch
 
 
+# Tokens of the traced forwards that read a model's structure (run order, stack, splits, auto plan).
+TRACE_TOKENS = 8
+
+
+def first_tensor(value) -> Optional[torch.Tensor]:
+    """The first tensor in a module's arguments or output (tuples, lists, dicts and transformers'
+    ModelOutput searched in order)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return first_tensor(list(value.values()))
+    return None
+
+
+def tensors_in(value) -> List[torch.Tensor]:
+    """Every tensor in ``value``, through tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, dict):
+        return tensors_in(list(value.values()))
+    return []
+
+
 @dataclass
 class Walk:
     """What a walk back from some tensors met.

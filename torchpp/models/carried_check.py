@@ -73,10 +73,9 @@ def check_cut(stack: str, reads: Dict[str, Tuple[int, Tuple[int, ...]]], bounds:
                             f"{stack}.{unreachable[0]}; choose split= so that no stage starts between them, or use pp=1")
 
 
-def other_inputs(args: tuple, kwargs: dict) -> List[torch.Tensor]:
-    """The tensors a layer gets besides its hidden states (its first argument), mappings left out
-    (masks by kind, and the layers' own state, which ``layer_state`` carries)."""
-    values = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+def other_inputs(values: list) -> List[torch.Tensor]:
+    """The tensors among a layer's arguments besides its hidden states, mappings left out (masks
+    by kind, and the layers' own state, which ``layer_state`` carries)."""
     found: List[torch.Tensor] = []
     for value in values:
         if isinstance(value, torch.Tensor):

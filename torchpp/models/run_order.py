@@ -25,12 +25,11 @@ from typing import Dict, List, Set, Tuple
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import leaving_no_history, walk_back
+from torchpp.models.autograd_walk import TRACE_TOKENS, leaving_no_history, tensors_in, walk_back
 from torchpp.models.carried_check import CarriedAcrossLayers, other_inputs
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.random import rng_restored
 
-TRACE_TOKENS = 8
 
 
 def traced_layout(model: nn.Module, layout: PipelineLayout, vocab_size: int) -> PipelineLayout:
@@ -87,19 +86,19 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
         def hook(module, args, kwargs):
             marks.setdefault("start", next(counter))
             others = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
-            side.extend(_tensors(others))
-            carried.side.setdefault(index, other_inputs(args, kwargs))
+            side.extend(tensors_in(others))
+            carried.side.setdefault(index, other_inputs(others))
         return hook
 
     def on_layer_exit(index):
         def hook(module, args, kwargs, output):
             marks["end"] = next(counter)
-            exits.update(t.grad_fn for t in _tensors([output]) if t.grad_fn is not None)
+            exits.update(t.grad_fn for t in tensors_in([output]) if t.grad_fn is not None)
             hidden = output[0] if isinstance(output, (tuple, list)) else output
             carried.outputs.setdefault(index, getattr(hidden, "grad_fn", None))
             if isinstance(output, (tuple, list)):  # (hidden, what the next layer reads), or (hidden,)
                 extras[index] = tuple(isinstance(o, torch.Tensor) for o in output[1:])
-                carried.handed_on.update(t.grad_fn for t in _tensors(list(output[1:])) if t.grad_fn is not None)
+                carried.handed_on.update(t.grad_fn for t in tensors_in(list(output[1:])) if t.grad_fn is not None)
             for name, value in kwargs.items():  # a mapping the layers fill for later layers (shared k/v)
                 if isinstance(value, (dict, UserDict)) and value and all(
                         isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v) for v in value.values()):
@@ -111,12 +110,12 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
 
     def on_input(path):
         def hook(module, args, kwargs):
-            carried.module_inputs.setdefault(path, _tensors([list(args), kwargs]))
+            carried.module_inputs.setdefault(path, tensors_in([list(args), kwargs]))
         return hook
 
     def on_output(path):
         def hook(module, args, output):
-            tensors = _tensors([output])
+            tensors = tensors_in([output])
             outputs.setdefault(path, set()).update(t.untyped_storage().data_ptr() for t in tensors)
             if any(not t.is_floating_point() for t in tensors):
                 steering.add(path)
@@ -143,15 +142,3 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     handed = {path for path, ptrs in outputs.items() if ptrs & side_storage} | steering
     return (first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state, handed,
             carried)
-
-
-def _tensors(values) -> List[torch.Tensor]:
-    out: List[torch.Tensor] = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (tuple, list)):
-            out.extend(_tensors(value))
-        elif isinstance(value, dict):
-            out.extend(_tensors(list(value.values())))
-    return out

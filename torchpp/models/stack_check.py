@@ -9,38 +9,15 @@ so is a stack whose layers run several times in one forward (Dory's recurrent lo
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import leaving_no_history, walk_back
+from torchpp.models.autograd_walk import TRACE_TOKENS, first_tensor, leaving_no_history, tensors_in, walk_back
 from torchpp.models.stages import get_submodule
 from torchpp.tensor_parallel.styles import PlanError
 from torchpp.tensor_parallel.random import rng_restored
-
-TRACE_TOKENS = 8
-
-
-def _first_tensor(value) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((t for t in map(_first_tensor, value) if t is not None), None)
-    if isinstance(value, dict):
-        return _first_tensor(list(value.values()))
-    return None
-
-
-def _tensors(value) -> List[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return _tensors(list(value.values()))
-    return []
-
 
 def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
     """Raises PlanError naming the first layer whose input is computed from the previous layer's
@@ -59,10 +36,10 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
     for i, layer in enumerate(layers):
         def enter(module, args, kwargs, i=i):
             calls[i] = calls.get(i, 0) + 1
-            inputs.setdefault(i, _first_tensor(list(args) + [kwargs.get("hidden_states")]))
+            inputs.setdefault(i, first_tensor(list(args) + [kwargs.get("hidden_states")]))
 
         def leave(module, args, output, i=i):
-            outputs.setdefault(i, _tensors(output))
+            outputs.setdefault(i, tensors_in(output))
         hooks += [layer.register_forward_pre_hook(enter, with_kwargs=True), layer.register_forward_hook(leave)]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
