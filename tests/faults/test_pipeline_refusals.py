@@ -6,7 +6,10 @@ with a PlanError naming what and why (2 gloo ranks, tiny float32 models, seconds
 - a tensor the model's forward builds from a layer's output and hands to later layers itself
   (Inkling 2's block states, a block boundary at every layer): the stage starting at layer 2
   would build it from placeholders where it holds layer 0's output, and its gradient would not
-  reach layer 0 (only the output of the layer before a stage reaches it: the hidden states).
+  reach layer 0 (only the output of the layer before a stage reaches it: the hidden states);
+- layers run inside a custom autograd function that computes their gradients itself (Reformer's
+  reversible layers, recomputed in its backward): no stage can hold their autograd graph (they
+  once failed on every rank at the first forward, with an AttributeError).
 """
 import pytest
 import torch
@@ -20,6 +23,9 @@ CASES = {
     "tensor carried between layers": ("inkling2_text", {"n_layers_per_attn_res_block": 1},
                                       ["model.layers.2 reads a tensor", "output of model.layers.0",
                                        "stage starting at model.layers.2", "use pp=1"]),
+    "layers run inside a custom autograd function": ("reformer", {}, [
+        "4 layers of reformer.encoder.layers", "run without autograd inside ReformerModelWithLMHead's forward",
+        "use pp=1"]),
 }
 
 

@@ -39,11 +39,10 @@ import torch
 from torch import nn
 
 from torchpp.models.auto_trace import PACKED_STYLES, LayerTrace, is_linear
-from torchpp.models.autograd_walk import TRACE_TOKENS, leaving_no_history
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
+from torchpp.models.traced_forward import traced_forward, untracked_layers_error
 from torchpp.tensor_parallel.styles import PlanError, TPContext
-from torchpp.tensor_parallel.random import rng_restored
 
 LOG = logging.getLogger("torchpp")
 # Attributes in which attention modules count their (query / key-value) heads or their width:
@@ -81,11 +80,8 @@ def _running_lists(model: nn.Module, lists) -> set:
         return set()
     ran: set = set()
     hooks = [module[0].register_forward_pre_hook(lambda *_, name=name: ran.add(name)) for name, module in lists]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = (torch.arange(TRACE_TOKENS, device=device) % (getattr(text_config(model), "vocab_size", None) or 2))
     try:
-        with torch.no_grad(), rng_restored(device):
-            model(input_ids=ids.unsqueeze(0), use_cache=False)
+        traced_forward(model, grad=False)
     except Exception:  # noqa: BLE001 - judged by registration alone
         return set()
     finally:
@@ -115,15 +111,15 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
         raise PlanError("torchpp.parallelize(plan='auto') runs the model once on a few tokens to read its structure; "
                         "a meta-device model cannot run: build it with weights, or pass plan=")
     traces = [LayerTrace(layer, f"{stack}.{i}", _layer_heads(text_config(model), i)) for i, layer in enumerate(layers)]
-    vocab = getattr(text_config(model), "vocab_size", None) or 2
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = (torch.arange(TRACE_TOKENS, device=device) % vocab).unsqueeze(0)
     try:
-        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
-            model(input_ids=ids, use_cache=False)
+        traced_forward(model)
     finally:
         for trace in traces:
             trace.remove()
+    untracked = [i for i, trace in enumerate(traces) if trace.untracked]
+    if untracked:
+        raise untracked_layers_error(model, stack, untracked, "plan='auto' reads each layer's autograd graph; "
+                                     "pass plan=")
     groups = [trace.decide() for trace in traces]
     whole = {f"{trace.path}.{name}": why for trace in traces for name, why in trace.whole.items()}
     if ctx is not None or tp > 1:

@@ -53,6 +53,7 @@ class LayerTrace:
     def __init__(self, layer: nn.Module, path: str, heads=()):
         self.path, self.heads = path, set(heads)
         self.layer, self.call = layer, None
+        self.untracked = False  # run with autograd off (inside a custom autograd function): no graph to read
         self.input: Optional[torch.Tensor] = None
         self.output: Optional[torch.Tensor] = None
         self.linears: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -76,6 +77,7 @@ class LayerTrace:
             self.input = first_tensor(list(args) + [kwargs.get("hidden_states")])
             self.entry = history(self.input)
             self.call = (args, kwargs)  # what the split check (auto_check) calls the layer with
+            self.untracked = not torch.is_grad_enabled()
 
     def _leave(self, module, args, output):
         if self.output is None:

@@ -2,15 +2,10 @@
 forward (``run_order``, ``split_checks``, ``auto_plan``)."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Iterable, List, Mapping, Optional, Set
 
 import torch
-
-
-# Tokens of the traced forwards that read a model's structure (run order, stack, splits, auto plan).
-TRACE_TOKENS = 8
 
 
 def first_tensor(value) -> Optional[torch.Tensor]:
@@ -101,21 +96,3 @@ def history(tensor: Optional[torch.Tensor]):
     """What made ``tensor`` now (its grad_fn, or itself if a leaf): a later in-place op on it (Falcon's
     ``mlp_output += attention_output``) gives the tensor a new grad_fn, not this one."""
     return None if tensor is None else (tensor.grad_fn if tensor.grad_fn is not None else tensor)
-
-
-@contextlib.contextmanager
-def leaving_no_history(model: torch.nn.Module):
-    """Around a traced forward: tensors with autograd history that the forward leaves on modules
-    (RecurrentGemma's recurrent state) are put back as they were, or removed; else the next
-    forward, once the model is split, could reach the trace's graph of the unsplit weights."""
-    before = [(module, dict(vars(module))) for module in model.modules()]
-    try:
-        yield
-    finally:
-        for module, saved in before:
-            for key, value in list(vars(module).items()):
-                if isinstance(value, torch.Tensor) and value.grad_fn is not None and value is not saved.get(key):
-                    if key in saved:
-                        setattr(module, key, saved[key])
-                    else:
-                        delattr(module, key)

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from torchpp import tensor_parallel as tp
-from torchpp.models.autograd_walk import leaving_no_history, walk_back
+from torchpp.models.autograd_walk import walk_back
 from torchpp.models.parallel_model import ParallelMixin
 from torchpp.models.plans import text_config
-from torchpp.tensor_parallel.random import rng_restored
+from torchpp.models.traced_forward import model_device, trace_tokens, traced_forward
 
 IGNORE_INDEX = -100
 
@@ -39,7 +39,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[d
                                              reduction=reduction)
 
 
-def model_shifts_labels(model, vocab_size: int) -> bool:
+def model_shifts_labels(model) -> bool:
     """Whether the model's own loss is transformers' causal one (token t predicts label t+1),
     or compares each token's logits with its own label, as the causal-LM heads of some
     encoder-decoder families do (Blenderbot's): one forward on a few random tokens tells. The
@@ -49,14 +49,14 @@ def model_shifts_labels(model, vocab_size: int) -> bool:
         PlanError: the model's loss reads more than its logits (ProphetNet's adds its n-gram
             streams' predictions): the pipeline's loss, computed from the logits alone, would differ.
     """
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     if device.type == "meta":  # nothing to run: transformers' convention
         return True
     generator = torch.Generator().manual_seed(0)
-    ids, labels = torch.randint(0, vocab_size, (2, 1, 8), generator=generator).to(device)
-    try:  # with autograd (the walk below), leaving no history on the modules (RecurrentGemma's state)
-        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
-            out = model(input_ids=ids, labels=labels, use_cache=False)
+    vocab = getattr(text_config(model), "vocab_size", None) or 2
+    ids, labels = torch.randint(0, vocab, (2, 1, trace_tokens(model)), generator=generator).to(device)
+    try:  # with autograd: the walk below
+        out = traced_forward(model, ids, labels=labels)
     except Exception:  # noqa: BLE001 - a model that cannot run here: transformers' convention
         return True
     if getattr(out, "loss", None) is None or getattr(out, "logits", None) is None:

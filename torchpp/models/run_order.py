@@ -25,26 +25,33 @@ from typing import Dict, List, Set, Tuple
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import TRACE_TOKENS, leaving_no_history, tensors_in, walk_back
+from torchpp.models.autograd_walk import tensors_in, walk_back
 from torchpp.models.carried_check import CarriedAcrossLayers, other_inputs
 from torchpp.models.stages import PipelineLayout, get_submodule
-from torchpp.tensor_parallel.random import rng_restored
+from torchpp.models.traced_forward import traced_forward, untracked_layers_error
 
 
 
-def traced_layout(model: nn.Module, layout: PipelineLayout, vocab_size: int) -> PipelineLayout:
+def traced_layout(model: nn.Module, layout: PipelineLayout) -> PipelineLayout:
     """``layout`` with its modules ordered by a traced forward and the shared ones set apart.
 
     Args:
-        model: the unwrapped transformers model (run once on ``TRACE_TOKENS`` tokens; unchanged).
+        model: the unwrapped transformers model (run once on a few tokens: ``traced_forward``; unchanged).
         layout: the registration-order layout around the stack.
-        vocab_size: token ids of the trace stay below it.
+
+    Raises:
+        PlanError: the model runs its layers without autograd, inside a function of its own that
+            computes their gradients itself (Reformer's reversible layers, recomputed in its
+            backward): a pipeline stage needs each layer's own autograd graph.
     """
     candidates = list(layout.before) + list(layout.after)
     try:
-        first_call, start, end, reached, extras, state, handed, carried = _trace(model, layout, candidates, vocab_size)
+        first_call, start, end, reached, extras, state, handed, carried, untracked = _trace(model, layout, candidates)
     except Exception:  # noqa: BLE001 - a model that cannot run here keeps the registration order
         return layout
+    if untracked:
+        raise untracked_layers_error(model, layout.layers, untracked, "a pipeline stage needs each layer's own "
+                                     "autograd graph; use pp=1")
     # Run before the stack's end (or inside it) and feeding the layers: every stage needs it. (A tied
     # head after the stack shares a parameter with a shared embedding but runs on the last stage.)
     shared = [p for p in candidates if first_call.get(p, end + 1) <= end
@@ -62,7 +69,7 @@ def _holds_any(module: nn.Module, reached: Set[int]) -> bool:
     return any(id(param) in reached for param in module.parameters())
 
 
-def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], vocab_size: int):
+def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str]):
     """(first call index of each candidate, index at the first layer's start, index at the last
     layer's end, ids of the parameters reaching the layers' other inputs, the layers' extra
     outputs: ``PipelineLayout.extras``)."""
@@ -85,6 +92,8 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     def on_layer(index):
         def hook(module, args, kwargs):
             marks.setdefault("start", next(counter))
+            if not torch.is_grad_enabled() and index not in untracked:
+                untracked.append(index)
             others = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
             side.extend(tensors_in(others))
             carried.side.setdefault(index, other_inputs(others))
@@ -104,6 +113,8 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
                         isinstance(v, tuple) and all(isinstance(t, torch.Tensor) for t in v) for v in value.values()):
                     state[index] = (name, tuple((key, len(v)) for key, v in value.items()))
         return hook
+
+    untracked: List[int] = []  # layers run with autograd off while the trace has it on
 
     outputs: Dict[str, Set[int]] = {}
     steering: Set[str] = set()  # modules returning integers (BLT's patcher: patch lengths)
@@ -128,11 +139,8 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     for index, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(on_layer(index), with_kwargs=True))
         hooks.append(layer.register_forward_hook(on_layer_exit(index), with_kwargs=True))
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
-    try:  # the trace draws no random numbers the training would (dropout): the streams are restored
-        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
-            model(input_ids=ids, use_cache=False)
+    try:
+        traced_forward(model)
     finally:
         for hook in hooks:
             hook.remove()
@@ -141,4 +149,4 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str], voca
     # ... or whose integer outputs steer the rest of the forward: zeros in their place would change it.
     handed = {path for path, ptrs in outputs.items() if ptrs & side_storage} | steering
     return (first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state, handed,
-            carried)
+            carried, untracked)

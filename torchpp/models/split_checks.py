@@ -17,8 +17,8 @@ from typing import Dict, List, Mapping
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import TRACE_TOKENS, leaving_no_history, walk_back
-from torchpp.tensor_parallel.random import rng_restored
+from torchpp.models.autograd_walk import walk_back
+from torchpp.models.traced_forward import traced_forward
 
 # Fused readers split part by part feed a row split too (a group that gathers splits them plainly).
 COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise")
@@ -27,7 +27,7 @@ ROW_STYLES = ("rowwise",)
 REDUCTIONS = ("Mean", "Var", "Std", "Sum", "Norm", "Prod", "Amax", "Amin", "MaxBackward", "MinBackward", "LogsumexpBackward")
 
 
-def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str], vocab_size: int) -> Dict[str, str]:
+def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str]) -> Dict[str, str]:
     """``resolved`` (full module names -> styles) with the groups that compute statistics
     across their split width gathered instead, and row-split projections nothing splits the
     input of left whole; unchanged if the model cannot run here."""
@@ -39,11 +39,8 @@ def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str],
     seen: Dict[str, tuple] = {}
     linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]  # every linear bounds the walks
     hooks = [modules[n].register_forward_hook(_record(seen, n)) for n in linears]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     try:
-        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
-            model(input_ids=ids, use_cache=False)
+        traced_forward(model)
     except Exception:  # noqa: BLE001 - a model that cannot run here keeps its plan
         return dict(resolved)
     finally:

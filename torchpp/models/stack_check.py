@@ -14,19 +14,19 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from torchpp.models.autograd_walk import TRACE_TOKENS, first_tensor, leaving_no_history, tensors_in, walk_back
+from torchpp.models.autograd_walk import first_tensor, tensors_in, walk_back
 from torchpp.models.stages import get_submodule
+from torchpp.models.traced_forward import traced_forward
 from torchpp.tensor_parallel.styles import PlanError
-from torchpp.tensor_parallel.random import rng_restored
 
-def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
+
+def check_layers_chain(model: nn.Module, stack: str) -> None:
     """Raises PlanError naming the first layer whose input is computed from the previous layer's
     input other than through that layer's outputs (one traced forward on a few tokens).
 
     Args:
         model: the unwrapped transformers model (unchanged).
         stack: path of its stack of layers.
-        vocab_size: token ids of the trace stay below it.
     """
     layers = list(get_submodule(model, stack))
     inputs: Dict[int, torch.Tensor] = {}
@@ -41,11 +41,8 @@ def check_layers_chain(model: nn.Module, stack: str, vocab_size: int) -> None:
         def leave(module, args, output, i=i):
             outputs.setdefault(i, tensors_in(output))
         hooks += [layer.register_forward_pre_hook(enter, with_kwargs=True), layer.register_forward_hook(leave)]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    ids = (torch.arange(TRACE_TOKENS, device=device) % max(1, vocab_size)).unsqueeze(0)
     try:
-        with torch.enable_grad(), leaving_no_history(model), rng_restored(device):
-            model(input_ids=ids, use_cache=False)
+        traced_forward(model)
     except Exception:  # noqa: BLE001 - a model that cannot run here is not judged
         return
     finally:

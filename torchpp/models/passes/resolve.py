@@ -65,11 +65,11 @@ def apply_plans(model: nn.Module, state: WrapState, config: ParallelConfig) -> n
     if state.hf and ps.pp > 1:  # registration order is a guess: one traced forward tells what runs where
         from torchpp.models.run_order import traced_layout
 
-        state.layout = traced_layout(model, state.layout, getattr(text_config(model), "vocab_size", 2))
+        state.layout = traced_layout(model, state.layout)
         if state.causal_lm:  # the pipeline computes the loss: the model's own convention
             from torchpp.models.parallel_causal_lm import model_shifts_labels
 
-            state.loss_shifts_labels = model_shifts_labels(model, getattr(text_config(model), "vocab_size", 2))
+            state.loss_shifts_labels = model_shifts_labels(model)
     state.tp_context = tp_context(model, ps, config.tensor.sequence_parallel, split_bw=ps.pp > 1)
     if ps.ep > 1 or config.experts.capacity_factor is not None:  # bad ep plans raise before anything changes
         from torchpp.expert_parallel.plan import expert_plans
@@ -79,8 +79,7 @@ def apply_plans(model: nn.Module, state: WrapState, config: ParallelConfig) -> n
     if ps.tp > 1 and not state.strict and state.hf:  # statistics across a split width: that group gathers
         from torchpp.models.split_checks import gather_where_width_statistics
 
-        state.tp_plan = gather_where_width_statistics(model, resolve_plan(model, state.tp_plan, False),
-                                                      getattr(text_config(model), "vocab_size", 2))
+        state.tp_plan = gather_where_width_statistics(model, resolve_plan(model, state.tp_plan, False))
     state.layer_contexts = layer_contexts(model, state.tp_context, state.layout and state.layout.layers)
     if ps.tp > 1:  # bad plans and head counts raise before anything changes
         check_heads(resolve_plan(model, state.tp_plan, state.strict), context_of(state.tp_context, state.layer_contexts))
@@ -103,7 +102,7 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
         if ps.pp > 1:  # a stage must be able to start at any layer of the stack
             from torchpp.models.stack_check import check_layers_chain
 
-            check_layers_chain(model, state.layout.layers, getattr(text_config(model), "vocab_size", 2))
+            check_layers_chain(model, state.layout.layers)
         state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
     elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)
