@@ -9,7 +9,10 @@ with a PlanError naming what and why (2 gloo ranks, tiny float32 models, seconds
   reach layer 0 (only the output of the layer before a stage reaches it: the hidden states);
 - layers run inside a custom autograd function that computes their gradients itself (Reformer's
   reversible layers, recomputed in its backward): no stage can hold their autograd graph (they
-  once failed on every rank at the first forward, with an AttributeError).
+  once failed on every rank at the first forward, with an AttributeError);
+- a tensor a layer computes and a later layer reads without it passing through their arguments
+  (kept on a module between the calls): the later stage never computes it. A cut that keeps
+  both layers on one stage is not refused.
 """
 import pytest
 import torch
@@ -50,3 +53,49 @@ def test_refused_on_every_rank(ranks, case):
     model_type, extra, fragments = CASES[case]
     outcomes = ranks(2).run(wrap, model_type, extra, timeout=90)
     assert_outcomes(outcomes, "PlanError", fragments, within_s=WITHIN_S)
+
+
+def stashing_llama():
+    """A tiny Llama whose layer 0 keeps a tensor on the model, which layer 2 adds to its output."""
+    from torchpp.testing.tiny_models import tiny_model
+
+    model = tiny_model("llama", dtype=torch.float32)
+    layers = model.model.layers
+
+    def patch(index):
+        forward = layers[index].forward
+
+        def patched(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+            if index == 0:
+                model.model.kept = hidden.mean(-1, keepdim=True)
+                return out
+            hidden = hidden + model.model.kept
+            return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+        layers[index].forward = patched
+    patch(0)
+    patch(2)
+    return model
+
+
+def wrap_stashing(split):
+    import torchpp
+    from torchpp.models import parallelize
+
+    def attempt():
+        state = torchpp.init_parallel(tp=1, pp=2)
+        parallelize(stashing_llama(), state=state, schedule="1f1b", n_microbatches=2, split=split)
+    try:
+        return run_case(attempt)
+    finally:
+        torchpp.destroy_parallel()
+
+
+@pytest.mark.timeout(150)
+def test_a_tensor_kept_on_a_module_between_layers(ranks):
+    outcomes = ranks(2).run(wrap_stashing, None, timeout=90)
+    assert_outcomes(outcomes, "PlanError", ["model.layers.2 reads a tensor computed inside model.layers.0",
+                                            "stage starting at model.layers.2", "use pp=1"], within_s=WITHIN_S)
+    outcomes = ranks(2).run(wrap_stashing, [3], timeout=90)  # layers 0 to 2 on the first stage
+    assert_outcomes(outcomes, None, within_s=WITHIN_S)

@@ -8,12 +8,17 @@ the model's forward up to that layer on placeholders, the one before its first l
 what it received. A tensor the forward itself builds from an earlier layer's output (Inkling
 2's block states: the hidden states at each block boundary, concatenated) would be built there
 from placeholders, and its gradient would never reach the layer that computed it: such a cut is
-refused instead of training on wrong gradients.
+refused instead of training on wrong gradients. So is a tensor a layer computes and a later
+layer reads without it passing through their arguments (kept on a module or closure between the
+calls): the nodes of the traced autograd graph are numbered as they are made, so a walk back
+from a layer's output, stopped at its arguments, tells which earlier layers' computation it
+reaches.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Dict, List, Sequence, Set, Tuple
+from collections.abc import Mapping
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -30,6 +35,49 @@ class CarriedAcrossLayers:
         self.handed_on: Set[object] = set()  # grad_fns of what the stages carry (a layer's extra outputs)
         self.side: Dict[int, List[torch.Tensor]] = {}  # layer index -> its inputs other than the hidden states
         self.module_inputs: Dict[str, List[torch.Tensor]] = {}  # end module path -> its inputs
+        self.spans: Dict[int, List[int]] = {}  # layer index -> [first, last] number of the nodes made in its call
+        self.arguments: Dict[int, List[object]] = {}  # layer index -> what made its arguments (autograd nodes)
+        self.results: Dict[int, List[object]] = {}  # layer index -> what made its outputs
+
+    def enter(self, index: int, args, kwargs) -> None:
+        """At a layer's first call: what made its arguments, and the number its nodes start after."""
+        clock = _autograd_clock()
+        if index in self.spans or clock is None:
+            return
+        self.spans[index] = [clock + 1, clock + 1]
+        self.arguments[index] = [t.grad_fn for t in _tensors(list(args) + [kwargs]) if t.grad_fn is not None]
+
+    def leave(self, index: int, output) -> None:
+        clock = _autograd_clock()
+        if index not in self.spans or index in self.results or clock is None:
+            return
+        self.spans[index][1] = clock
+        self.results[index] = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+
+    def reads_inside(self) -> Dict[int, Tuple[int, ...]]:
+        """{layer: earlier layers whose computation its output reaches other than through its
+        arguments} (``PipelineLayout.reads_inside``)."""
+        found: Dict[int, Set[int]] = {}
+        layers = sorted(self.results)
+        for j in layers:
+            start = self.spans[j][0]
+            blocked = {id(node) for node in self.arguments[j]}
+            pending, seen = list(self.results[j]), set()
+            while pending:
+                node = pending.pop()
+                if id(node) in seen or id(node) in blocked:
+                    continue
+                seen.add(id(node))
+                number = node._sequence_nr()
+                if number < start:  # made before this layer ran: inside an earlier one, or between
+                    inside = next((i for i in layers if i < j and self.spans[i][0] <= number <= self.spans[i][1]), None)
+                    if inside is not None:
+                        found.setdefault(j, set()).add(inside)
+                        continue
+                    if number < self.spans[layers[0]][0]:  # before the stack: nothing to find there
+                        continue
+                pending.extend(n for n, _ in node.next_functions if n is not None)
+        return {j: tuple(sorted(earlier)) for j, earlier in found.items()}
 
     def reads(self, after: Sequence[str]) -> Dict[str, Tuple[int, Tuple[int, ...]]]:
         """{reader: (where it runs: its layer index, or the number of layers for a module after the
@@ -52,15 +100,27 @@ class CarriedAcrossLayers:
         return found
 
 
-def check_cut(stack: str, reads: Dict[str, Tuple[int, Tuple[int, ...]]], bounds: Sequence[int]) -> None:
+def check_cut(stack: str, reads: Dict[str, Tuple[int, Tuple[int, ...]]], bounds: Sequence[int],
+              reads_inside: Dict[int, Tuple[int, ...]] = None) -> None:
     """Raises PlanError where a stage reads the output of a layer of an earlier stage other than
-    the last one before its own first layer (which it receives: the hidden states).
+    the last one before its own first layer (which it receives: the hidden states), or anything
+    computed inside a layer of an earlier stage that the layers' arguments do not carry.
 
     Args:
         stack: path of the stack of layers.
         reads: ``PipelineLayout.reads``.
         bounds: [0, first layer of stage 1, ..., number of layers].
+        reads_inside: ``PipelineLayout.reads_inside``.
     """
+    for reader, layers in (reads_inside or {}).items():
+        first = bounds[bisect_right(bounds, reader) - 1]
+        unreachable = [i for i in layers if i < first]
+        if unreachable:
+            raise PlanError(f"torchpp.parallelize: {stack}.{reader} reads a tensor computed inside {stack}."
+                            f"{unreachable[0]} that the model keeps between the calls itself, not as a layer's argument "
+                            f"or output (on a module, say): the stage starting at {stack}.{first} never computes it, "
+                            f"so its value and gradient would be wrong; choose split= so that no stage starts between "
+                            f"them, or use pp=1")
     for reader, (at, outputs) in reads.items():
         first = bounds[bisect_right(bounds, min(at, bounds[-1] - 1)) - 1]
         unreachable = [i for i in outputs if i < first - 1]
@@ -83,3 +143,21 @@ def other_inputs(values: list) -> List[torch.Tensor]:
         elif isinstance(value, (tuple, list)):
             found.extend(v for v in value if isinstance(v, torch.Tensor))
     return found
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    """Every tensor in ``value``, through tuples, lists and mappings (a layer's state dict included)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return _tensors(list(value.values()))
+    return []
+
+
+def _autograd_clock() -> Optional[int]:
+    """The number of the autograd node made last (nodes are numbered as they are made, per
+    thread); None with autograd off."""
+    probe = torch.zeros((), requires_grad=True).view(())
+    return None if probe.grad_fn is None else probe.grad_fn._sequence_nr()

@@ -62,7 +62,7 @@ def traced_layout(model: nn.Module, layout: PipelineLayout) -> PipelineLayout:
     after = [p for p in rest if p not in before]
     by_call = lambda p: first_call.get(p, float("inf"))  # noqa: E731 - modules that never ran keep their place
     return PipelineLayout(layout.layers, sorted(before, key=by_call), sorted(after, key=by_call), shared, extras,
-                          state, carried.reads(after))
+                          state, carried.reads(after), carried.reads_inside())
 
 
 def _holds_any(module: nn.Module, reached: Set[int]) -> bool:
@@ -97,11 +97,13 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str]):
             others = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
             side.extend(tensors_in(others))
             carried.side.setdefault(index, other_inputs(others))
+            carried.enter(index, args, kwargs)
         return hook
 
     def on_layer_exit(index):
         def hook(module, args, kwargs, output):
             marks["end"] = next(counter)
+            carried.leave(index, output)
             exits.update(t.grad_fn for t in tensors_in([output]) if t.grad_fn is not None)
             hidden = output[0] if isinstance(output, (tuple, list)) else output
             carried.outputs.setdefault(index, getattr(hidden, "grad_fn", None))

@@ -50,6 +50,9 @@ class PipelineLayout:
             layer's index, or the module's path: (the layer index it runs at, or the number of
             layers, the layer outputs read)} (``torchpp.models.carried_check``). A stage receives
             the output of the layer before its first; one of an earlier layer cannot reach it.
+        reads_inside: {layer index: earlier layers whose computation it reads other than through
+            its arguments (a tensor kept on a module between the calls)}: no stage may start
+            between them (``torchpp.models.carried_check``).
     """
 
     layers: str
@@ -59,6 +62,7 @@ class PipelineLayout:
     extras: Dict[int, Tuple[bool, ...]] = field(default_factory=dict)
     layer_state: Dict[int, Tuple[str, Tuple[Tuple[str, int], ...]]] = field(default_factory=dict)
     reads: Dict[str, Tuple[int, Tuple[int, ...]]] = field(default_factory=dict)
+    reads_inside: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
 
 
 def get_submodule(model: nn.Module, path: str) -> nn.Module:

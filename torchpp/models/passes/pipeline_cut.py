@@ -40,7 +40,7 @@ def apply_pipeline_cut(model: nn.Module, state: WrapState, options: PipelineOpti
     if isinstance(split, str) and split == "auto":
         split, state.stage_costs = _auto_split(model, layout, where.num_stages, ps.pp, where.rank_of)
     bounds = layer_bounds(num_layers, where.num_stages, split)
-    check_cut(layout.layers, layout.reads, bounds)
+    check_cut(layout.layers, layout.reads, bounds, layout.reads_inside)
     state.tied_layers = tied_across_layers(model, layout, bounds, where.rank_of, ps.pp)
     summed = {id(p) for p in state.tied_layers}  # over the pipeline: not again between the end stages
     state.tied_across = [p for p in state.tied_across if id(p) not in summed]
