@@ -10,6 +10,8 @@ of module names in the order they run.
 """
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
@@ -35,6 +37,39 @@ def _gpt2_fixups(model: nn.Module, ctx: TPContext) -> None:
             attn.split_size = attn.embed_dim // ctx.size
 
 
+def _mamba_fixups(model: nn.Module, ctx: TPContext) -> None:
+    """Mamba's fused training kernel (mamba-ssm's ``mamba_inner_fn``, used where installed) reads
+    the mixer's weights itself, past the TP forwards: refused; the reference path runs the modules."""
+    mixer = model.get_submodule("backbone.layers.0.mixer")
+    fused = getattr(sys.modules[type(mixer).__module__], "mamba_inner_fn", None)
+    try:  # the reference implementation returns None whatever it is given, a kernel fails on None inputs
+        required = [name for name, p in inspect.signature(fused).parameters.items()
+                    if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD] if fused is not None else []
+        in_use = fused is not None and fused(*[None] * len(required)) is not None
+    except Exception:  # noqa: BLE001 - a real kernel
+        in_use = True
+    if in_use:
+        raise PlanError(f"torchpp.parallelize: {type(mixer).__name__} trains through mamba-ssm's fused kernel, which "
+                        f"reads its weights past the tensor-parallel forwards: uninstall mamba-ssm (transformers then "
+                        f"runs the mixer's modules) or use tp=1")
+
+
+# Mamba's mixer, Megatron-style: channels split (in_proj's [x; z] halves, the depthwise conv, the
+# per-channel A, D and dt), x_proj's row split summed (dt, B, C are the sums over all channels) and,
+# read back by the per-channel scan, its gradient summed too; dt_proj's weight is read directly.
+MAMBA_PLAN = {
+    "backbone.embeddings": "embedding_rowwise",
+    "backbone.layers.*.mixer.in_proj": "packed_colwise",
+    "backbone.layers.*.mixer.conv1d": "conv_channels",
+    "backbone.layers.*.mixer.x_proj": "rowwise_copy_output",
+    "backbone.layers.*.mixer.dt_proj.weight": "colwise",
+    "backbone.layers.*.mixer.dt_proj.bias": "colwise",
+    "backbone.layers.*.mixer.A_log": "colwise",
+    "backbone.layers.*.mixer.D": "colwise",
+    "backbone.layers.*.mixer.out_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
 # Families whose config has no plan: theirs, and what their modules need beyond it (one line each).
 FAMILY_PLANS: Dict[str, Tuple[Dict[str, str], Optional[Callable[[nn.Module, TPContext], None]]]] = {
     "gpt2": ({
@@ -45,7 +80,11 @@ FAMILY_PLANS: Dict[str, Tuple[Dict[str, str], Optional[Callable[[nn.Module, TPCo
         "transformer.h.*.mlp.c_proj": "rowwise",
         "lm_head": "colwise_gather_output",
     }, _gpt2_fixups),
+    "mamba": (MAMBA_PLAN, _mamba_fixups),
+    "falcon_mamba": (MAMBA_PLAN, _mamba_fixups),
 }
+# Their stacks of layers (their configs carry no pipeline plan either).
+FAMILY_STACKS = {"gpt2": "transformer.h", "mamba": "backbone.layers", "falcon_mamba": "backbone.layers"}
 
 
 # Entries some transformers plans miss or get wrong: parameters applied to rank-local activations
@@ -88,11 +127,18 @@ def text_config(model: nn.Module):
     return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
 
 
+def family_plan(model: nn.Module) -> Optional[Tuple[Dict[str, str], Optional[Callable]]]:
+    """torchpp's own TP plan for a family whose config carries none (``FAMILY_PLANS``), and its
+    fixups; None for any other."""
+    family = FAMILY_PLANS.get(_model_type(model))
+    return None if family is None else (dict(family[0]), family[1])
+
+
 def hf_tp_plan(model: nn.Module) -> Tuple[Dict[str, str], Optional[Callable]]:
     """A transformers model's TP plan (full module names), and the fixups its family needs."""
-    family = FAMILY_PLANS.get(_model_type(model))
+    family = family_plan(model)
     if family is not None:
-        return dict(family[0]), family[1]
+        return family
     plan = dict(getattr(model, "tp_plan", None) or {})
     if not plan:
         config = model.config
@@ -152,8 +198,8 @@ def hf_layout(model: nn.Module) -> Optional[PipelineLayout]:
         base = getattr(model.config, "base_model_pp_plan", None) or {}
         prefix = getattr(model, "base_model_prefix", "")
         names = [f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k for k in base]
-    if _model_type(model) == "gpt2":
-        names = ["transformer.h"]
+    if _model_type(model) in FAMILY_STACKS:
+        names = [FAMILY_STACKS[_model_type(model)]]
     stack = _stack_path(model, names)
     return None if stack is None else layout_around(model, stack)
 

@@ -17,6 +17,8 @@ embeddings in ``tp_forwards``.
 | rowwise                        | columns split, bias replicated  | input local, g (all-reduce) on output    |
 | rowwise_split_input            | columns split                   | input split, g on output                 |
 | rowwise_scatter_output         | columns split, bias split       | input local, output reduce-scattered     |
+| rowwise_copy_output            | columns split, bias replicated  | g then f on output (read by split work)  |
+| conv_channels                  | channels split (depthwise conv) | as before, on this rank's channels       |
 | packed_colwise                 | fused rows split block by block | as colwise                               |
 | packed_rowwise                 | fused last dim split per block  | (parameter style)                        |
 | embedding_rowwise              | vocabulary split (padded)       | partial lookups summed (g)               |
@@ -135,8 +137,10 @@ class Colwise(Style):
 class Rowwise(Style):
     name = "rowwise"
 
-    def __init__(self, split_input: bool = False, packed: int = 1, scatter_output: bool = False):
+    def __init__(self, split_input: bool = False, packed: int = 1, scatter_output: bool = False,
+                 copy_output: bool = False):
         self.split_input, self.packed, self.scatter_output = split_input, packed, scatter_output
+        self.copy_output = copy_output  # Mamba's x_proj: its whole output feeds the per-channel scan
 
     def layouts(self, module, name, ctx) -> Tuple[Layout, Layout]:
         """(weight layout, bias layout) of the linear ``module`` (the bias is added after the reduction)."""
@@ -158,7 +162,7 @@ class Rowwise(Style):
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
         module.tp = LinearTP(ctx.group, column=False, split_input=self.split_input, split_bw=ctx.split_bw,
-                             scatter_output=self.scatter_output)
+                             scatter_output=self.scatter_output, copy_output=self.copy_output)
 
     def apply_param(self, module, param_name, name, ctx):
         param = getattr(module, param_name)
@@ -207,6 +211,23 @@ class Embedding(Style):
             tp = EmbeddingTP(ctx.group, False)
         _swap_class(module, TPEmbeddingForward, nn.Embedding, name, self.name)
         module.tp = tp
+
+
+class ConvChannels(Style):
+    """A depthwise ``nn.Conv1d`` (one filter per channel: Mamba's short convolution) on the
+    channels a column split gives this rank: weight and bias split by channel, its channel and
+    group counts this rank's."""
+
+    name = "conv_channels"
+
+    def apply(self, module, name, ctx):
+        if not isinstance(module, nn.Conv1d) or not module.in_channels == module.out_channels == module.groups:
+            raise PlanError(f"torchpp plan: style 'conv_channels' splits a depthwise nn.Conv1d (groups = channels), "
+                            f"but {name} is {module!r}")
+        shard_parameter(module.weight, Split(0, module.out_channels), ctx, f"{name}.weight")
+        if module.bias is not None:
+            shard_parameter(module.bias, Split(0, module.out_channels), ctx, f"{name}.bias")
+        module.in_channels = module.out_channels = module.groups = module.weight.shape[0]
 
 
 class ReplicatedWithGradAllReduce(Style):
@@ -357,6 +378,8 @@ STYLES: Dict[str, Style] = {
     "rowwise_split_input": _named(Rowwise(split_input=True), "rowwise_split_input"),
     "rowwise_rep": _named(Rowwise(split_input=True), "rowwise_rep"),
     "rowwise_scatter_output": _named(Rowwise(scatter_output=True), "rowwise_scatter_output"),
+    "rowwise_copy_output": _named(Rowwise(copy_output=True), "rowwise_copy_output"),
+    "conv_channels": ConvChannels(),
     "packed_rowwise": PackedRowwise(),
     "embedding_rowwise": _named(Embedding(vocab_parallel=True), "embedding_rowwise"),
     "embedding_colwise": _named(Embedding(vocab_parallel=False), "embedding_colwise"),

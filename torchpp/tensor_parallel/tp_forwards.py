@@ -35,6 +35,7 @@ class LinearTP:
     out_features: Optional[int] = None  # full width, to trim padding after a gather
     split_bw: bool = False
     scatter_output: bool = False  # row split whose output keeps this rank's slice (per-head outputs)
+    copy_output: bool = False  # row split read by computations split over TP (f after g: their gradients are partial)
 
 
 class TPLinearForward:
@@ -63,7 +64,8 @@ class TPLinearForward:
             output = ops.reduce_scatter_to_sp_region(partial, tp.group, dim=partial.dim() - 1)
         else:
             output = ops.reduce_from_tp_region(partial, tp.group)
-        return output if self.bias is None else output + self.bias
+        output = output if self.bias is None else output + self.bias
+        return ops.copy_to_tp_region(output, tp.group) if tp.copy_output else output
 
 
 class TPConv1DForward(TPLinearForward):

@@ -7,6 +7,7 @@ model that is no causal LM, a head count TP cannot divide) raises here, with the
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -16,11 +17,14 @@ from torchpp import tensor_parallel as tp
 from torchpp.models.parallel_config import ParallelConfig
 from torchpp.models.passes.state import WrapState
 from torchpp.models.stages import get_submodule
-from torchpp.models.plans import hf_layout, hf_tp_plan, is_transformers_model, layout_around, text_config, user_plans
+from torchpp.models.plans import (family_plan, hf_layout, hf_tp_plan, is_transformers_model, layout_around, text_config,
+                                  user_plans)
 from torchpp.parallel.groups import ParallelState, get_parallel_state, init_parallel
 from torchpp.tensor_parallel.plan import resolve_plan
 from torchpp.tensor_parallel.random import TP_RNG_STATE, TP_SEED_OFFSET
 from torchpp.tensor_parallel.styles import PlanError, TPContext
+
+LOG = logging.getLogger("torchpp")
 
 ATTENTION_WORDS = ("attn", "attention")
 
@@ -95,7 +99,12 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
         from torchpp.models.auto_plan import auto_plans, divide_head_attributes, find_stack
 
         ps = state.parallel
-        if ps.tp > 1:  # each split the rule picks is first tried at this tp
+        family = family_plan(model) if ps.tp > 1 else None
+        if family is not None:  # torchpp's plan for the family (Mamba's mixer: beyond the rule)
+            state.tp_plan, state.layout = family[0], layout_around(model, find_stack(model))
+            LOG.info("torchpp.parallelize(plan='auto') for %s: torchpp's plan for the %s family",
+                     type(model).__name__, model.config.model_type)
+        elif ps.tp > 1:  # each split the rule picks is first tried at this tp
             state.tp_plan, state.layout = auto_plans(model, ps.tp, tp_context(model, ps, False, False))
         else:  # nothing to split: only the stack to cut (a layer the TP rule cannot decide does not matter)
             state.tp_plan, state.layout = {}, layout_around(model, find_stack(model))
@@ -103,7 +112,8 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
             from torchpp.models.stack_check import check_layers_chain
 
             check_layers_chain(model, state.layout.layers)
-        state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
+        state.fixups = family[1] if family is not None else (
+            lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx))
     elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)
         state.strict = True
