@@ -21,12 +21,12 @@ def first_tensor(value) -> Optional[torch.Tensor]:
 
 
 def tensors_in(value) -> List[torch.Tensor]:
-    """Every tensor in ``value``, through tuples, lists and dicts."""
+    """Every tensor in ``value``, through tuples, lists and mappings (a layers' state mapping included)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensors_in(v)]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return tensors_in(list(value.values()))
     return []
 

@@ -17,12 +17,11 @@ reaches.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Mapping
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from torchpp.models.autograd_walk import walk_back
+from torchpp.models.autograd_walk import tensors_in, walk_back
 from torchpp.tensor_parallel.styles import PlanError
 
 
@@ -45,14 +44,14 @@ class CarriedAcrossLayers:
         if index in self.spans or clock is None:
             return
         self.spans[index] = [clock + 1, clock + 1]
-        self.arguments[index] = [t.grad_fn for t in _tensors(list(args) + [kwargs]) if t.grad_fn is not None]
+        self.arguments[index] = [t.grad_fn for t in tensors_in(list(args) + [kwargs]) if t.grad_fn is not None]
 
     def leave(self, index: int, output) -> None:
         clock = _autograd_clock()
         if index not in self.spans or index in self.results or clock is None:
             return
         self.spans[index][1] = clock
-        self.results[index] = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        self.results[index] = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
 
     def reads_inside(self) -> Dict[int, Tuple[int, ...]]:
         """{layer: earlier layers whose computation its output reaches other than through its
@@ -143,17 +142,6 @@ def other_inputs(values: list) -> List[torch.Tensor]:
         elif isinstance(value, (tuple, list)):
             found.extend(v for v in value if isinstance(v, torch.Tensor))
     return found
-
-
-def _tensors(value) -> List[torch.Tensor]:
-    """Every tensor in ``value``, through tuples, lists and mappings (a layer's state dict included)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, Mapping):
-        return _tensors(list(value.values()))
-    return []
 
 
 def _autograd_clock() -> Optional[int]:
