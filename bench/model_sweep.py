@@ -211,7 +211,7 @@ def write_table(rows, path: str) -> None:
             "its split fails or changes the output; a group with a linear the rule cannot decide (one between two others)",
             "stays whole, the rest of the layer still splits), checked as above. The last column says how many of each layer",
             "kind's linears tp=2 split; a model where nothing splits fails with the PlanError naming why. A family",
-            "torchpp has its own plan for (GPT-2, Mamba, Falcon-Mamba: `torchpp.models.plans.FAMILY_PLANS`) takes it.",
+            "torchpp has its own plan for (GPT-2, Mamba, Falcon-Mamba, Mamba 2: `torchpp.models.plans`) takes it.",
             "",
             f"**{_passing(auto)} of {len(auto)} types pass both**; sweep time {_minutes(auto):.1f} min (summed check "
             "times). Each failure shows its error as it is: where nothing can be split (PlanError naming why), a "

@@ -1,14 +1,16 @@
-"""Mamba's mixer under tensor parallelism (torchpp's family plan, ``torchpp.models.plans.MAMBA_PLAN``):
-channels split as Megatron splits them, x_proj's row split summed forward and, since the per-channel
-scan reads dt, B and C back, its output gradient summed too (``rowwise_copy_output``); the depthwise
-conv on this rank's channels (``conv_channels``). Mamba and Falcon-Mamba at tp=2, Mamba at tp=2 x pp=2
-under zb-h1 (x_proj's weight gradient deferred to W), in float64 against the unwrapped model: loss,
-logits, every gradient, one SGD step (torchpp.testing.model_checks)."""
+"""Mamba mixers under tensor parallelism (torchpp's family plans, ``torchpp.models.mamba_plans``):
+channels split as Megatron splits them. Mamba: x_proj's row split summed forward and, since the
+per-channel scan reads dt, B and C back, its output gradient summed too (``rowwise_copy_output``);
+the depthwise conv on this rank's channels (``conv_channels``). Mamba 2: in_proj's five fused blocks
+and the conv's three split block by block, whole groups of heads per rank. Mamba, Falcon-Mamba and
+Mamba 2 at tp=2, Mamba and Mamba 2 at tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in
+float64 against the unwrapped model: loss, logits, every gradient, one SGD step
+(torchpp.testing.model_checks)."""
 import pytest
 import torch
 from torch import nn
 
-from torchpp.models.plans import _mamba_fixups
+from torchpp.models.mamba_plans import mamba2_plan, refuse_fused_kernel
 from torchpp.tensor_parallel.styles import STYLES, PlanError
 from torchpp.testing.model_checks import check_pp, check_tp
 from torchpp.testing.tiny_models import tiny_model
@@ -17,23 +19,32 @@ TIMEOUT_S = 240
 
 
 def _tp_checks():
-    return [check_tp("mamba"), check_tp("falcon_mamba", plan="auto")]
+    return [check_tp("mamba"), check_tp("falcon_mamba", plan="auto"), check_tp("mamba2", plan="auto")]
 
 
 def test_mamba_mixers_split_by_channels(ranks):
     for details in ranks(2).run(_tp_checks, timeout=TIMEOUT_S):
-        # every linear of the mixer splits (dt_proj's weight too); 9 parameters per layer and the tied embedding
-        assert all(d.startswith("loss") and "37 sharded" in d for d in details), details
-        assert details[1].endswith("MambaBlock 4/4") or details[1].endswith("FalconMambaBlock 4/4"), details
+        assert all(d.startswith("loss") for d in details), details
+        # Mamba: 9 parameters per layer (dt_proj's weight too) and the tied embedding; its 4 linears all split
+        assert "37 sharded" in details[0] and "37 sharded" in details[1], details
+        assert details[1].endswith("FalconMambaBlock 4/4"), details
+        # Mamba 2: 8 per layer (in_proj, the conv's 2, A_log, D, dt_bias, the norm, out_proj), embedding, head
+        assert "34 sharded" in details[2] and details[2].endswith("Mamba2Block 2/2"), details
 
 
 def _tp_and_pp():
-    return check_pp("mamba", tp=2, schedule="zb-h1", n_microbatches=4)
+    return [check_pp(model_type, tp=2, schedule="zb-h1", n_microbatches=4) for model_type in ("mamba", "mamba2")]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_mamba_under_tp_and_pp(ranks):
-    assert all("grads on this rank" in d for d in ranks(4).run(_tp_and_pp, timeout=TIMEOUT_S))
+    for details in ranks(4).run(_tp_and_pp, timeout=TIMEOUT_S):
+        assert all("grads on this rank" in d for d in details), details
+
+
+def test_mamba2_needs_whole_groups_per_rank():
+    with pytest.raises(PlanError, match=r"tp=2 does not divide Mamba2Mixer's n_groups=1"):
+        mamba2_plan(tiny_model("mamba2", n_groups=1), 2)
 
 
 def test_a_fused_mamba_kernel_is_refused(monkeypatch):
@@ -46,9 +57,9 @@ def test_a_fused_mamba_kernel_is_refused(monkeypatch):
 
     monkeypatch.setattr(module, "mamba_inner_fn", kernel)
     with pytest.raises(PlanError, match="MambaMixer trains through mamba-ssm's fused kernel"):
-        _mamba_fixups(model, None)
+        refuse_fused_kernel(model, None)
     monkeypatch.undo()
-    _mamba_fixups(model, None)  # transformers' reference path: nothing to refuse
+    refuse_fused_kernel(model, None)  # transformers' reference path: nothing to refuse
 
 
 def test_conv_channels_splits_only_a_depthwise_conv():

@@ -10,12 +10,11 @@ of module names in the order they run.
 """
 from __future__ import annotations
 
-import inspect
-import sys
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
 
+from torchpp.models.mamba_plans import mamba2_plan, mamba_plan
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.tensor_parallel.styles import PlanError, TPContext
 
@@ -37,39 +36,6 @@ def _gpt2_fixups(model: nn.Module, ctx: TPContext) -> None:
             attn.split_size = attn.embed_dim // ctx.size
 
 
-def _mamba_fixups(model: nn.Module, ctx: TPContext) -> None:
-    """Mamba's fused training kernel (mamba-ssm's ``mamba_inner_fn``, used where installed) reads
-    the mixer's weights itself, past the TP forwards: refused; the reference path runs the modules."""
-    mixer = model.get_submodule("backbone.layers.0.mixer")
-    fused = getattr(sys.modules[type(mixer).__module__], "mamba_inner_fn", None)
-    try:  # the reference implementation returns None whatever it is given, a kernel fails on None inputs
-        required = [name for name, p in inspect.signature(fused).parameters.items()
-                    if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD] if fused is not None else []
-        in_use = fused is not None and fused(*[None] * len(required)) is not None
-    except Exception:  # noqa: BLE001 - a real kernel
-        in_use = True
-    if in_use:
-        raise PlanError(f"torchpp.parallelize: {type(mixer).__name__} trains through mamba-ssm's fused kernel, which "
-                        f"reads its weights past the tensor-parallel forwards: uninstall mamba-ssm (transformers then "
-                        f"runs the mixer's modules) or use tp=1")
-
-
-# Mamba's mixer, Megatron-style: channels split (in_proj's [x; z] halves, the depthwise conv, the
-# per-channel A, D and dt), x_proj's row split summed (dt, B, C are the sums over all channels) and,
-# read back by the per-channel scan, its gradient summed too; dt_proj's weight is read directly.
-MAMBA_PLAN = {
-    "backbone.embeddings": "embedding_rowwise",
-    "backbone.layers.*.mixer.in_proj": "packed_colwise",
-    "backbone.layers.*.mixer.conv1d": "conv_channels",
-    "backbone.layers.*.mixer.x_proj": "rowwise_copy_output",
-    "backbone.layers.*.mixer.dt_proj.weight": "colwise",
-    "backbone.layers.*.mixer.dt_proj.bias": "colwise",
-    "backbone.layers.*.mixer.A_log": "colwise",
-    "backbone.layers.*.mixer.D": "colwise",
-    "backbone.layers.*.mixer.out_proj": "rowwise",
-    "lm_head": "colwise_gather_output",
-}
-
 # Families whose config has no plan: theirs, and what their modules need beyond it (one line each).
 FAMILY_PLANS: Dict[str, Tuple[Dict[str, str], Optional[Callable[[nn.Module, TPContext], None]]]] = {
     "gpt2": ({
@@ -80,11 +46,12 @@ FAMILY_PLANS: Dict[str, Tuple[Dict[str, str], Optional[Callable[[nn.Module, TPCo
         "transformer.h.*.mlp.c_proj": "rowwise",
         "lm_head": "colwise_gather_output",
     }, _gpt2_fixups),
-    "mamba": (MAMBA_PLAN, _mamba_fixups),
-    "falcon_mamba": (MAMBA_PLAN, _mamba_fixups),
 }
+# Families whose plan depends on the model's sizes (and the TP size): a builder (model, tp) -> (plan, fixups).
+FAMILY_PLAN_BUILDERS = {"mamba": mamba_plan, "falcon_mamba": mamba_plan, "mamba2": mamba2_plan}
 # Their stacks of layers (their configs carry no pipeline plan either).
-FAMILY_STACKS = {"gpt2": "transformer.h", "mamba": "backbone.layers", "falcon_mamba": "backbone.layers"}
+FAMILY_STACKS = {"gpt2": "transformer.h", "mamba": "backbone.layers", "falcon_mamba": "backbone.layers",
+                 "mamba2": "backbone.layers"}
 
 
 # Entries some transformers plans miss or get wrong: parameters applied to rank-local activations
@@ -127,16 +94,19 @@ def text_config(model: nn.Module):
     return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
 
 
-def family_plan(model: nn.Module) -> Optional[Tuple[Dict[str, str], Optional[Callable]]]:
-    """torchpp's own TP plan for a family whose config carries none (``FAMILY_PLANS``), and its
-    fixups; None for any other."""
+def family_plan(model: nn.Module, tp: int) -> Optional[Tuple[Dict[str, str], Optional[Callable]]]:
+    """torchpp's own TP plan for a family whose config carries none (``FAMILY_PLANS``,
+    ``FAMILY_PLAN_BUILDERS``), and its fixups; None for any other."""
+    builder = FAMILY_PLAN_BUILDERS.get(_model_type(model))
+    if builder is not None:
+        return builder(model, tp)
     family = FAMILY_PLANS.get(_model_type(model))
     return None if family is None else (dict(family[0]), family[1])
 
 
-def hf_tp_plan(model: nn.Module) -> Tuple[Dict[str, str], Optional[Callable]]:
+def hf_tp_plan(model: nn.Module, tp: int = 1) -> Tuple[Dict[str, str], Optional[Callable]]:
     """A transformers model's TP plan (full module names), and the fixups its family needs."""
-    family = family_plan(model)
+    family = family_plan(model, tp)
     if family is not None:
         return family
     plan = dict(getattr(model, "tp_plan", None) or {})

@@ -18,8 +18,9 @@ embeddings in ``tp_forwards``.
 | rowwise_split_input            | columns split                   | input split, g on output                 |
 | rowwise_scatter_output         | columns split, bias split       | input local, output reduce-scattered     |
 | rowwise_copy_output            | columns split, bias replicated  | g then f on output (read by split work)  |
-| conv_channels                  | channels split (depthwise conv) | as before, on this rank's channels       |
+| conv_channels[(a,b,...)]       | channels split (depthwise conv) | as before, on this rank's channels       |
 | packed_colwise                 | fused rows split block by block | as colwise                               |
+| packed_colwise(a,b,...)        | as above, blocks of these sizes | as colwise                               |
 | packed_rowwise                 | fused last dim split per block  | (parameter style)                        |
 | embedding_rowwise              | vocabulary split (padded)       | partial lookups summed (g)               |
 | embedding_colwise              | embedding dim split             | output all-gathered                      |
@@ -32,7 +33,8 @@ embeddings in ``tp_forwards``.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+import re
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -84,13 +86,16 @@ def _head_layout(out_features: int, dim: int, ctx: TPContext, name: str) -> Layo
 class Colwise(Style):
     name = "colwise"
 
-    def __init__(self, gather_output: bool = False, packed: int = 1):
-        self.gather_output, self.packed = gather_output, packed
+    def __init__(self, gather_output: bool = False, packed: int = 1, blocks: Optional[Sequence[int]] = None):
+        self.gather_output, self.packed, self.blocks = gather_output, packed, blocks
 
     def layouts(self, module, name, ctx) -> Tuple[Layout, Layout]:
         """(weight layout, bias layout) of the linear ``module`` (also what plan="auto" simulates)."""
         dim = _out_dim(_linear_kind(module, name, self.name))
         out_features = full_shape(module.weight, ctx)[dim]
+        if self.blocks is not None:
+            layout = Packed(dim, _blocks_of(self.blocks, out_features, name))
+            return layout, Packed(0, layout.blocks)
         if self.packed > 1:
             if out_features % self.packed:
                 raise PlanError(f"torchpp plan: {name} ({out_features} output features) is not {self.packed} "
@@ -215,19 +220,32 @@ class Embedding(Style):
 
 class ConvChannels(Style):
     """A depthwise ``nn.Conv1d`` (one filter per channel: Mamba's short convolution) on the
-    channels a column split gives this rank: weight and bias split by channel, its channel and
-    group counts this rank's."""
+    channels a column split gives this rank: weight and bias split by channel (block by block
+    where its channels are fused blocks, ``conv_channels(x,b,c)``), its channel and group counts
+    this rank's."""
 
     name = "conv_channels"
+
+    def __init__(self, blocks: Optional[Sequence[int]] = None):
+        self.blocks = blocks
 
     def apply(self, module, name, ctx):
         if not isinstance(module, nn.Conv1d) or not module.in_channels == module.out_channels == module.groups:
             raise PlanError(f"torchpp plan: style 'conv_channels' splits a depthwise nn.Conv1d (groups = channels), "
                             f"but {name} is {module!r}")
-        shard_parameter(module.weight, Split(0, module.out_channels), ctx, f"{name}.weight")
-        if module.bias is not None:
-            shard_parameter(module.bias, Split(0, module.out_channels), ctx, f"{name}.bias")
+        channels = module.out_channels
+        layout = (Split(0, channels) if self.blocks is None else Packed(0, _blocks_of(self.blocks, channels, name)))
+        for param_name in ("weight", "bias"):
+            if getattr(module, param_name) is not None:
+                shard_parameter(getattr(module, param_name), layout, ctx, f"{name}.{param_name}")
         module.in_channels = module.out_channels = module.groups = module.weight.shape[0]
+
+
+def _blocks_of(blocks: Sequence[int], width: int, name: str) -> List[int]:
+    if sum(blocks) != width:
+        raise PlanError(f"torchpp plan: {name} is {width} wide, but its fused blocks {list(blocks)} sum to "
+                        f"{sum(blocks)}")
+    return list(blocks)
 
 
 class ReplicatedWithGradAllReduce(Style):
@@ -393,10 +411,22 @@ STYLES: Dict[str, Style] = {
 }
 
 
+# Styles that take a fused output's block sizes: ``packed_colwise(4096,4096,256,256,64)``.
+BLOCK_STYLES: Dict[str, Callable[[List[int]], Style]] = {
+    "packed_colwise": lambda blocks: Colwise(blocks=blocks),
+    "conv_channels": lambda blocks: ConvChannels(blocks),
+}
+
+
 def get_style(name: str, where: str, config=None) -> Style:
-    """The style registered as ``name`` (a clear error naming the plan entry otherwise)."""
+    """The style registered as ``name``, or a block style with its sizes (a clear error naming
+    the plan entry otherwise)."""
     if name == "mla_kv_a_proj" and config is not None:
         return MlaKvAProj(getattr(config, "qk_rope_head_dim", None))
+    sized = re.fullmatch(r"(\w+)\(([\d, ]+)\)", name)
+    if sized and sized.group(1) in BLOCK_STYLES:
+        style = BLOCK_STYLES[sized.group(1)]([int(size) for size in sized.group(2).split(",")])
+        return _named(style, name)
     if name not in STYLES:
         raise PlanError(f"torchpp plan: unknown style {name!r} for {where}; known styles: {sorted(STYLES)}")
     return STYLES[name]

@@ -99,7 +99,7 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
         from torchpp.models.auto_plan import auto_plans, divide_head_attributes, find_stack
 
         ps = state.parallel
-        family = family_plan(model) if ps.tp > 1 else None
+        family = family_plan(model, ps.tp) if ps.tp > 1 else None
         if family is not None:  # torchpp's plan for the family (Mamba's mixer: beyond the rule)
             state.tp_plan, state.layout = family[0], layout_around(model, find_stack(model))
             LOG.info("torchpp.parallelize(plan='auto') for %s: torchpp's plan for the %s family",
@@ -120,7 +120,7 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
         if state.layout is None and state.hf:
             state.layout = hf_layout(model)
     elif state.hf:
-        state.tp_plan, state.fixups = hf_tp_plan(model)
+        state.tp_plan, state.fixups = hf_tp_plan(model, state.parallel.tp)
         state.layout = hf_layout(model)
     else:
         raise PlanError(f"torchpp.parallelize: {type(model).__name__} is not a transformers model; pass plan= (a dict "
