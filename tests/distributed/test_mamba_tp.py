@@ -3,7 +3,7 @@ channels split as Megatron splits them. Mamba: x_proj's row split summed forward
 per-channel scan reads dt, B and C back, its output gradient summed too (``rowwise_copy_output``);
 the depthwise conv on this rank's channels (``conv_channels``). Mamba 2: in_proj's five fused blocks
 and the conv's three split block by block, whole groups of heads per rank. Mamba, Falcon-Mamba and
-Mamba 2 at tp=2, Mamba and Mamba 2 at tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in
+Mamba 2 at tp=2 (and Nemotron-H's Mamba 2 mixers under plan="auto"), Mamba and Mamba 2 at tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in
 float64 against the unwrapped model: loss, logits, every gradient, one SGD step
 (torchpp.testing.model_checks)."""
 import pytest
@@ -19,7 +19,8 @@ TIMEOUT_S = 240
 
 
 def _tp_checks():
-    return [check_tp("mamba"), check_tp("falcon_mamba", plan="auto"), check_tp("mamba2", plan="auto")]
+    return [check_tp("mamba"), check_tp("falcon_mamba", plan="auto"), check_tp("mamba2", plan="auto"),
+            check_tp("nemotron_h", plan="auto")]
 
 
 def test_mamba_mixers_split_by_channels(ranks):
@@ -30,6 +31,8 @@ def test_mamba_mixers_split_by_channels(ranks):
         assert details[1].endswith("FalconMambaBlock 4/4"), details
         # Mamba 2: 8 per layer (in_proj, the conv's 2, A_log, D, dt_bias, the norm, out_proj), embedding, head
         assert "34 sharded" in details[2] and details[2].endswith("Mamba2Block 2/2"), details
+        # Nemotron-H under plan="auto": its Mamba 2 mixer layer splits too (it stayed whole: 0-4/4 before)
+        assert details[3].endswith("NemotronHBlock 2-4/4"), details
 
 
 def _tp_and_pp():
@@ -42,8 +45,17 @@ def test_mamba_under_tp_and_pp(ranks):
         assert all("grads on this rank" in d for d in details), details
 
 
+def test_auto_finds_mamba2_mixers_of_hybrid_families():
+    from torchpp.models.mamba_plans import mamba2_mixers
+
+    plan, whole = mamba2_mixers(tiny_model("nemotron_h"), "model.layers", 2)  # n_groups=2
+    assert plan["model.layers.0.mixer.in_proj"] == "packed_colwise(128,128,32,32,4)" and not whole
+    plan, whole = mamba2_mixers(tiny_model("bamba"), "model.layers", 2)  # n_groups=1: stays whole, says why
+    assert not plan and "tp=2 does not divide its n_groups=1" in whole["model.layers.0.mamba.out_proj"]
+
+
 def test_mamba2_needs_whole_groups_per_rank():
-    with pytest.raises(PlanError, match=r"tp=2 does not divide Mamba2Mixer's n_groups=1"):
+    with pytest.raises(PlanError, match=r"Mamba2Mixer cannot split: tp=2 does not divide its n_groups=1"):
         mamba2_plan(tiny_model("mamba2", n_groups=1), 2)
 
 

@@ -22,6 +22,8 @@ split by columns, those writing back into it by rows).
   kept whole and why, one line each; ``PlanError`` only where nothing splits, naming why.
 - Attention modules that count their heads in attributes (``num_heads``, ``embed_dim``) get
   this rank's counts after the split (as DeepSpeed's AutoTP does).
+- Mamba 2 mixers (hybrid families' too) take Megatron's split instead of the rule's
+  (``torchpp.models.mamba_plans``), where tp divides their groups.
 - Given the TP size, each group is first tried on one layer in this process
   (``torchpp.models.auto_check``): one whose split fails or changes the result stays whole.
 
@@ -127,8 +129,19 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
 
         groups, failing = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
         whole.update(failing)
+    mixers: Dict[str, str] = {}
+    if ctx is not None or tp > 1:  # Mamba 2 mixers: Megatron's split, beyond the rule (models.mamba_plans)
+        from torchpp.models.mamba_plans import mamba2_mixers
+
+        mixers, mixers_whole = mamba2_mixers(model, stack, ctx.size if ctx is not None else tp)
+        owners = {name.rpartition(".")[0] + "." for name in list(mixers) + list(mixers_whole)}
+        groups = [[{n: s for n, s in group.items() if not n.startswith(tuple(owners))} for group in layer_groups]
+                  for layer_groups in groups]
+        whole = {n: why for n, why in whole.items() if not n.startswith(tuple(owners))}
+        whole.update(mixers_whole)
     plan: Dict[str, str] = {name: style for layer_groups in groups for group in layer_groups
                             for name, style in group.items()}
+    plan.update(mixers)
     if not plan:
         _raise_nothing_to_split(stack, tp, whole)
     plan, whole = _as_globs(plan, stack, len(layers)), _as_globs(whole, stack, len(layers))
@@ -194,11 +207,12 @@ def _planned(name: str, plan: Dict[str, str]) -> bool:
                for glob, style in plan.items())
 
 
-def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContext) -> None:
-    """Gives the modules holding split projections this rank's head counts and widths."""
+def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContext, done=()) -> None:
+    """Gives the modules holding split projections this rank's head counts and widths (but those
+    named in ``done``: their counts are this rank's already)."""
     owners = {name.rpartition(".")[0] for name, style in plan.items() if style in ("colwise", *PACKED_STYLES.values())}
     for name, module in model.named_modules():
-        if not any(re.fullmatch(_glob_regex(owner), name) for owner in owners):
+        if name in done or not any(re.fullmatch(_glob_regex(owner), name) for owner in owners):
             continue
         for attribute in HEAD_ATTRIBUTES:
             value = getattr(module, attribute, None)

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
 from torch import nn
 
+from torchpp.tensor_parallel.plan import glob_pattern
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
 
 MAMBA_PLAN = {
@@ -36,9 +37,8 @@ MAMBA_PLAN = {
     "backbone.layers.*.mixer.out_proj": "rowwise",
     "lm_head": "colwise_gather_output",
 }
-# The mixer's fused training kernel, by model type (transformers' name for it in the mixer's module).
-FUSED_KERNELS = {"mamba": "mamba_inner_fn", "falcon_mamba": "mamba_inner_fn",
-                 "mamba2": "mamba2_split_conv1d_scan_combined"}
+# The mixers' fused training kernels (transformers' names for them in the mixer's module).
+FUSED_KERNELS = ("mamba_inner_fn", "mamba2_split_conv1d_scan_combined")
 # Mamba 2's mixer counts what it splits in attributes: this rank's after the split.
 MAMBA2_COUNTS = ("intermediate_size", "conv_dim", "n_groups", "num_heads")
 
@@ -55,42 +55,100 @@ def mamba2_plan(model: nn.Module, tp: int) -> Tuple[Dict[str, str], Callable[[nn
         PlanError: tp does not divide the mixer's groups (each rank holds whole groups of heads).
     """
     mixer = _first_mixer(model)
+    why = why_mamba2_stays_whole(mixer, tp)
+    if why:
+        raise PlanError(f"torchpp.parallelize: {type(mixer).__name__} cannot split: {why}")
+    plan = {name: style for name, style in MAMBA_PLAN.items() if name.count(".mixer.") == 0}
+    plan.update(mamba2_mixer_plan("backbone.layers.*.mixer", mixer))
+    return plan, lambda module, ctx: (refuse_fused_kernel(module, ctx), divide_mixer_counts(module, plan, ctx))
+
+
+def is_mamba2_mixer(module: nn.Module) -> bool:
+    """A Mamba 2 mixer as transformers writes it (Mamba 2's, and the hybrid families' own classes:
+    Bamba, Nemotron-H, Granite hybrid, Zamba 2): in_proj's output [z; x; B; C; dt], a depthwise conv
+    over [x; B; C], per-head A_log, D and dt_bias, a norm over each group, out_proj."""
+    counts = [getattr(module, name, None) for name in ("intermediate_size", "n_groups", "ssm_state_size",
+                                                         "num_heads", "conv_dim")]
+    if not all(isinstance(c, int) for c in counts) or getattr(module, "mup_vector", None) is not None:
+        return False  # (Falcon-H1 scales in_proj's output per channel: not this layout's)
+    inner, groups, state, heads, conv = counts
+    in_proj, conv1d = getattr(module, "in_proj", None), getattr(module, "conv1d", None)
+    return (isinstance(in_proj, nn.Linear) and isinstance(conv1d, nn.Conv1d)
+            and isinstance(getattr(module, "out_proj", None), nn.Linear)
+            and all(isinstance(getattr(module, name, None), nn.Parameter) for name in ("A_log", "D", "dt_bias"))
+            and conv == inner + 2 * groups * state == conv1d.out_channels == conv1d.groups
+            and in_proj.out_features == inner + conv + heads)
+
+
+def why_mamba2_stays_whole(mixer: nn.Module, tp: int) -> str:
+    """Why a Mamba 2 mixer cannot split over tp ranks ("" where it can)."""
     if mixer.n_groups % tp:
-        raise PlanError(f"torchpp.parallelize: tp={tp} does not divide {type(mixer).__name__}'s n_groups="
-                        f"{mixer.n_groups} (each rank holds whole groups of heads: Megatron's Mamba 2 split)")
+        return (f"tp={tp} does not divide its n_groups={mixer.n_groups} (each rank holds whole groups of heads, "
+                f"as Megatron's Mamba 2 split does)")
+    return ""
+
+
+def mamba2_mixer_plan(path: str, mixer: nn.Module) -> Dict[str, str]:
+    """The plan entries of the Mamba 2 mixer at ``path`` (a name or a glob)."""
     inner, groups = mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size
-    plan = {name: style for name, style in MAMBA_PLAN.items() if "dt_proj" not in name and "x_proj" not in name}
-    plan.update({
-        "backbone.layers.*.mixer.in_proj": f"packed_colwise({inner},{inner},{groups},{groups},{mixer.num_heads})",
-        "backbone.layers.*.mixer.conv1d": f"conv_channels({inner},{groups},{groups})",
-        "backbone.layers.*.mixer.dt_bias": "colwise",
-        "backbone.layers.*.mixer.norm.weight": "colwise",
-    })
-    return plan, _mamba2_fixups
+    plan = {f"{path}.in_proj": f"packed_colwise({inner},{inner},{groups},{groups},{mixer.num_heads})",
+            f"{path}.conv1d": f"conv_channels({inner},{groups},{groups})",
+            f"{path}.out_proj": "rowwise"}
+    plan.update({f"{path}.{name}": "colwise" for name in ("A_log", "D", "dt_bias")})
+    norm = getattr(getattr(mixer, "norm", None), "weight", None)
+    if isinstance(norm, nn.Parameter) and norm.shape == (inner,):  # over each group: this rank's groups
+        plan[f"{path}.norm.weight"] = "colwise"
+    return plan
 
 
-def _mamba2_fixups(model: nn.Module, ctx: TPContext) -> None:
-    refuse_fused_kernel(model, ctx)
-    for module in model.modules():
-        if type(module).__name__ == "Mamba2Mixer":
+def divide_mixer_counts(model: nn.Module, plan: Dict[str, str], ctx: TPContext) -> Set[str]:
+    """Gives the Mamba 2 mixers whose in_proj the plan splits this rank's counts (``MAMBA2_COUNTS``);
+    returns their names."""
+    done: Set[str] = set()
+    split = [glob_pattern(name.rpartition(".")[0]) for name, style in plan.items()
+             if name.endswith(".in_proj") and style.startswith("packed_colwise(")]
+    for name, module in model.named_modules():
+        if any(pattern.fullmatch(name) for pattern in split):  # (sharded already: its shapes are this rank's)
             for attribute in MAMBA2_COUNTS:
                 setattr(module, attribute, getattr(module, attribute) // ctx.size)
+            done.add(name)
+    return done
 
 
-def refuse_fused_kernel(model: nn.Module, ctx: Optional[TPContext]) -> None:
-    """Raises PlanError where transformers would train the mixer through mamba-ssm's fused kernel."""
-    mixer = _first_mixer(model)
-    fused = getattr(sys.modules[type(mixer).__module__], FUSED_KERNELS[model.config.model_type], None)
+def refuse_fused_kernel(model: nn.Module, ctx: Optional[TPContext], mixer: Optional[nn.Module] = None) -> None:
+    """Raises PlanError where transformers would train ``mixer`` (default: the Mamba family's first)
+    through mamba-ssm's fused kernel."""
+    mixer = _first_mixer(model) if mixer is None else mixer
+    for name in FUSED_KERNELS:
+        fused = getattr(sys.modules[type(mixer).__module__], name, None)
+        if fused is not None and _is_kernel(fused):
+            raise PlanError(f"torchpp.parallelize: {type(mixer).__name__} trains through mamba-ssm's fused kernel, "
+                            f"which reads its weights past the tensor-parallel forwards: uninstall mamba-ssm "
+                            f"(transformers then runs the mixer's modules) or use tp=1")
+
+
+def _is_kernel(fused) -> bool:
     try:  # the reference implementation returns None whatever it is given, a kernel fails on None inputs
         required = [name for name, p in inspect.signature(fused).parameters.items()
-                    if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD] if fused is not None else []
-        in_use = fused is not None and fused(*[None] * len(required)) is not None
+                    if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+        return fused(*[None] * len(required)) is not None
     except Exception:  # noqa: BLE001 - a real kernel
-        in_use = True
-    if in_use:
-        raise PlanError(f"torchpp.parallelize: {type(mixer).__name__} trains through mamba-ssm's fused kernel, which "
-                        f"reads its weights past the tensor-parallel forwards: uninstall mamba-ssm (transformers then "
-                        f"runs the mixer's modules) or use tp=1")
+        return True
+
+
+def mamba2_mixers(model: nn.Module, stack: str, tp: int) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """(plan entries, {mixer: why it stays whole}) of the Mamba 2 mixers in ``stack``'s layers
+    (plan="auto": the TP rule cannot split them, their in_proj being cut by hard-coded sizes)."""
+    plan, whole = {}, {}
+    for name, module in model.get_submodule(stack).named_modules(prefix=stack):
+        if is_mamba2_mixer(module):
+            why = why_mamba2_stays_whole(module, tp)
+            if why:
+                whole[f"{name}.out_proj"] = why
+            else:
+                refuse_fused_kernel(model, None, module)
+                plan.update(mamba2_mixer_plan(name, module))
+    return plan, whole
 
 
 def _first_mixer(model: nn.Module) -> nn.Module:

@@ -20,8 +20,9 @@ from torch import nn
 from torchpp.models.autograd_walk import walk_back
 from torchpp.models.traced_forward import traced_forward
 
-# Fused readers split part by part feed a row split too (a group that gathers splits them plainly).
-COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise")
+# Fused readers split part by part feed a row split too (a group that gathers splits them plainly);
+# so do those split block by block by size (``packed_colwise(a,b,...)``: Mamba 2's in_proj).
+COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise", "packed_colwise(")
 ROW_STYLES = ("rowwise",)
 # Autograd nodes that combine features along a dimension (not softmax: within a head, over keys).
 REDUCTIONS = ("Mean", "Var", "Std", "Sum", "Norm", "Prod", "Amax", "Amin", "MaxBackward", "MinBackward", "LogsumexpBackward")
@@ -32,7 +33,8 @@ def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str])
     across their split width gathered instead, and row-split projections nothing splits the
     input of left whole; unchanged if the model cannot run here."""
     modules = dict(model.named_modules())
-    columns = [n for n, s in resolved.items() if s in COLUMN_STYLES and isinstance(modules.get(n), nn.Linear)]
+    columns = [n for n, s in resolved.items()
+               if (s in COLUMN_STYLES or s.startswith(COLUMN_STYLES[-1])) and isinstance(modules.get(n), nn.Linear)]
     rows = [n for n, s in resolved.items() if s in ROW_STYLES and isinstance(modules.get(n), nn.Linear)]
     if not columns or not rows or any(p.is_meta for p in model.parameters()):
         return dict(resolved)

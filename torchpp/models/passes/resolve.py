@@ -97,6 +97,7 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
         if plan != "auto":
             raise PlanError(f"torchpp.parallelize: plan={plan!r}: a plan is a dict of globs to styles or 'auto'")
         from torchpp.models.auto_plan import auto_plans, divide_head_attributes, find_stack
+        from torchpp.models.mamba_plans import divide_mixer_counts
 
         ps = state.parallel
         family = family_plan(model, ps.tp) if ps.tp > 1 else None
@@ -113,7 +114,8 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
 
             check_layers_chain(model, state.layout.layers)
         state.fixups = family[1] if family is not None else (
-            lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx))
+            lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx,
+                                                       done=divide_mixer_counts(module, state.tp_plan, ctx)))
     elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)
         state.strict = True
