@@ -65,6 +65,8 @@ def test_own_heads_takes_this_ranks_rows_batch_major():
     assert mine[:, 0, 0].tolist() == [2, 3, 6, 7, 10, 11]
     per_batch = bias.reshape(batch, heads, 1, 5)
     assert torch.equal(own_heads(per_batch, heads, 1, 2, batch, "mask"), per_batch[:, 2:])
+    broadcast = torch.zeros(batch, 1, 5, 5)  # the same for every head: unchanged
+    assert own_heads(broadcast, heads, 1, 2, batch, "mask") is broadcast
     with pytest.raises(ValueError, match=r"alibi of shape \(10, 1, 5\) does not hold 4 heads"):
         own_heads(torch.zeros(10, 1, 5), heads, 0, 2, batch, "alibi")
 

@@ -3,8 +3,9 @@ writer, the readers feeding it and the parameters between) is run on one layer i
 once per TP rank with that rank's shards (and head counts), with the layer's traced inputs; the
 writer's outputs summed over the simulated ranks must equal the unsplit layer's. A group whose
 split fails there (a module that cuts a split output by hard-coded sizes, reshapes by its input's
-width, adds a bias sized by the global head count) or changes the result stays whole: a working
-wrap of what can be split, never a wrong one. One layer of each kind is tried (layers of one
+width) or changes the result stays whole: a working wrap of what can be split, never a wrong one.
+Where the attention module was handed a bias for every head (ALiBi), the group is tried again with
+that bias cut to each rank's heads (``head_inputs_entry``). One layer of each kind is tried (layers of one
 class with the same groups share the answer); copies are run in eval mode, so dropout draws
 nothing.
 """

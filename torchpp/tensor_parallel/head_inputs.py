@@ -110,8 +110,8 @@ def slice_head_inputs(module: nn.Module, names: Sequence[str], heads: int, rank:
 
 def own_heads(value, heads: int, rank: int, size: int, batch: int, what: str):
     """This rank's heads of ``value`` (its dimension -3 holds ``heads`` heads, or ``batch`` x heads
-    batch-major); anything but a tensor passes unchanged."""
-    if not isinstance(value, torch.Tensor):
+    batch-major); anything but a tensor, or one broadcast over the heads (size 1 there), passes unchanged."""
+    if not isinstance(value, torch.Tensor) or (value.dim() >= 3 and value.shape[-3] == 1):
         return value
     rows = value.shape[-3] if value.dim() >= 3 else None
     if rows is None or rows % heads or rows // heads not in (1, batch):
