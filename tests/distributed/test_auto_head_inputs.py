@@ -21,6 +21,23 @@ def test_alibi_attention_splits_at_tp2(ranks):
             "BloomBlock 4/4", "MptBlock 4/4", "FalconDecoderLayer 4/4"], details
 
 
+def _style_by_hand_on_whole_attention():
+    from torchpp.tensor_parallel.styles import PlanError
+
+    plan = {"transformer.h.*.mlp.dense_h_to_4h": "colwise", "transformer.h.*.mlp.dense_4h_to_h": "rowwise",
+            "transformer.h.*.self_attention": "split_head_inputs(alibi)"}  # its projections left whole
+    try:
+        check_tp("bloom", plan=plan)
+    except PlanError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_plan_cutting_the_bias_of_whole_attention_fails_clearly(ranks):
+    for message in ranks(2).run(_style_by_hand_on_whole_attention, timeout=TIMEOUT_S):
+        assert "transformer.h.0.self_attention has style 'split_head_inputs', but none of its projections" in message
+
+
 def _pp_tp_case():
     import logging
 

@@ -49,7 +49,18 @@ class SplitHeadInputs(Style):
         if not ctx.num_heads:
             raise PlanError(f"torchpp plan: style {self.name!r} on {name} needs the model's head count "
                             f"(num_attention_heads), which its config does not give")
+        ctx.hooks.append(module.register_forward_pre_hook(_needs_split_projections(name)))
         ctx.hooks.append(slice_head_inputs(module, self.names, ctx.num_heads, ctx.rank, ctx.size, name))
+
+
+def _needs_split_projections(where: str):
+    """A pre-hook refusing to cut the inputs of a module that computes every head (a plan by hand
+    naming the style on an attention whose projections it leaves whole)."""
+    def hook(module, args):
+        if not any(getattr(getattr(p, "tp_layout", None), "dim", None) is not None for p in module.parameters()):
+            raise PlanError(f"torchpp plan: {where} has style 'split_head_inputs', but none of its projections is "
+                            f"split over TP: it computes every head, so its inputs must stay whole")
+    return hook
 
 
 def head_inputs_style_of(style: str) -> Optional[Style]:
