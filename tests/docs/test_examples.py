@@ -87,6 +87,7 @@ def test_ptdp_page_auto_plan_example_keeps_the_mixer_whole(tmp_path):
     output = run(["auto_plan.py"], tmp_path)
     assert "model.layers.*.mamba.x_proj: kept whole (sits between linears" in output, output
     assert "linears split per layer: JambaMambaDecoderLayer 0-3/7" in output, output
+    assert "linears split per layer: BloomBlock 4/4" in output, output
 
 
 def test_ptdp_page_user_plan_example_trains(tmp_path):

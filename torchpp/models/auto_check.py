@@ -3,8 +3,9 @@ writer, the readers feeding it and the parameters between) is run on one layer i
 once per TP rank with that rank's shards (and head counts), with the layer's traced inputs; the
 writer's outputs summed over the simulated ranks must equal the unsplit layer's. A group whose
 split fails there (a module that cuts a split output by hard-coded sizes, reshapes by its input's
-width, adds a bias sized by the global head count) or changes the result stays whole: a working
-wrap of what can be split, never a wrong one. One layer of each kind is tried (layers of one
+width) or changes the result stays whole: a working wrap of what can be split, never a wrong one.
+Where the attention module was handed a bias for every head (ALiBi), the group is tried again with
+that bias cut to each rank's heads (``head_inputs_entry``). One layer of each kind is tried (layers of one
 class with the same groups share the answer); copies are run in eval mode, so dropout draws
 nothing.
 """
@@ -17,6 +18,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from torchpp.models.auto_trace import is_linear
+from torchpp.tensor_parallel.head_inputs import (head_inputs_style, parse_head_inputs_style, per_head_inputs,
+                                                 slice_head_inputs)
 from torchpp.tensor_parallel.random import rng_restored
 from torchpp.tensor_parallel.styles import STYLES, PlanError, TPContext
 from torchpp.tensor_parallel.tp_forwards import check_own_forward
@@ -47,7 +51,8 @@ def keep_groups_that_split(traces, groups: List[List[Dict[str, str]]], ctx: TPCo
             relative = {name[len(trace.path) + 1:]: style for name, style in group.items()}
             key = (type(trace.layer), tuple(sorted(relative.items())))
             if key not in answers:
-                answers[key] = _first_that_holds(trace.layer, trace.call, relative, ctx)
+                answers[key] = _first_that_holds(trace.layer, trace.call, relative, ctx,
+                                                 head_inputs_entry(trace, relative, ctx))
             holding, why = answers[key]
             if holding is None:
                 readers = ", ".join(n for n, s in relative.items() if s.startswith(("colwise", "packed"))
@@ -77,22 +82,49 @@ def _without_sharing(kept: List[Dict[str, str]], dropped: List[Dict[str, str]], 
         kept = [g for g in kept if shared[_writer(g)] is None]
 
 
-def _first_that_holds(layer, call, group: Dict[str, str], ctx) -> Tuple[Optional[Dict[str, str]], str]:
+def _first_that_holds(layer, call, group: Dict[str, str], ctx, head_inputs: Optional[Dict[str, str]] = None
+                      ) -> Tuple[Optional[Dict[str, str]], str]:
     """``group``, or failing that the same with its column-split readers split as 2 or 3 equal
     fused parts (an output cut in parts by a view, which the trace cannot tell from heads:
-    Moshi's gate and up), whichever holds first; (None, why the group itself does not)."""
+    Moshi's gate and up), then each of these with ``head_inputs`` (the attention module's per-head
+    inputs cut to each rank's heads: ALiBi), whichever holds first; (None, why the group itself does not)."""
     why = _why_not(layer, call, group, ctx)
     if why is None:
         return group, ""
+    variants = []
     for parts, packed in ((2, "packed_colwise"), (3, "packed3_colwise")):
         readers = [n for n, s in group.items() if s == "colwise" and not isinstance(_get(layer, n), nn.Parameter)]
         if not readers or any(_get(layer, n).weight.shape[0 if isinstance(_get(layer, n), nn.Linear) else 1]
                               % (parts * ctx.size) for n in readers):
             continue
-        variant = {**group, **{n: packed for n in readers}}
-        if _why_not(layer, call, variant, ctx) is None:
+        variants.append({**group, **{n: packed for n in readers}})
+    if head_inputs:
+        variants += [{**variant, **head_inputs} for variant in [group] + variants]
+    sliced_why = ""
+    for variant in variants:
+        variant_why = _why_not(layer, call, variant, ctx)
+        if variant_why is None:
             return variant, ""
-    return None, why
+        if head_inputs and not sliced_why and set(head_inputs) <= set(variant):
+            sliced_why = f"; with {next(iter(head_inputs.values()))} it fails too: {variant_why}"
+    return None, why + sliced_why
+
+
+def head_inputs_entry(trace, group: Dict[str, str], ctx: TPContext) -> Dict[str, str]:
+    """{the module holding ``group``'s linears: ``split_head_inputs(...)``} where that module (an
+    attention block) was called with inputs holding every head (``head_inputs.per_head_inputs``);
+    empty otherwise, or where the linears' common holder is the layer itself."""
+    parents = [name.split(".")[:-1] for name in group if is_linear(_get(trace.layer, name))]
+    common: List[str] = []
+    for parts in zip(*parents):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    owner = ".".join(common)
+    if not parents or not owner or owner not in trace.calls or not ctx.num_heads:
+        return {}
+    names = per_head_inputs(trace.layer.get_submodule(owner), *trace.calls[owner], ctx.num_heads)
+    return {owner: head_inputs_style(names)} if names else {}
 
 
 def _get(layer: nn.Module, name: str):
@@ -126,7 +158,8 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
     writer = _writer(group)
     for name, style in group.items():
         target = _get(layer, name)
-        if isinstance(target, nn.Module) and style != "replicated_with_grad_allreduce":
+        if isinstance(target, nn.Module) and style != "replicated_with_grad_allreduce" and \
+                parse_head_inputs_style(style) is None:
             try:
                 check_own_forward(target, None, name, style)
             except PlanError:  # parallelize would refuse the style on it
@@ -208,6 +241,9 @@ def _shard(layer: nn.Module, group: Dict[str, str], ctx: TPContext, rank: int) -
         if style == "replicated_with_grad_allreduce":
             continue
         target = _get(layer, name)
+        if parse_head_inputs_style(style) is not None:  # the attention's per-head inputs: this rank's heads
+            slice_head_inputs(target, parse_head_inputs_style(style), ctx.num_heads, rank, ctx.size, name)
+            continue
         if isinstance(target, nn.Parameter):  # a per-head vector split with the heads
             parent, _, leaf = name.rpartition(".")
             owner = layer.get_submodule(parent) if parent else layer

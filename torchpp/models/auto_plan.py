@@ -26,6 +26,9 @@ split by columns, those writing back into it by rows).
   (``torchpp.models.mamba_plans``), where tp divides their groups.
 - Given the TP size, each group is first tried on one layer in this process
   (``torchpp.models.auto_check``): one whose split fails or changes the result stays whole.
+- A bias built outside the attention for every head (ALiBi) is cut to each rank's heads where
+  that split alone holds in the trial: the attention module gets ``split_head_inputs(...)``
+  (``torchpp.tensor_parallel.head_inputs``).
 
 Embeddings and the output layer stay replicated. ``auto_plans`` logs the plan it chose, what it
 keeps whole and how many linears of each layer kind it splits (INFO on the ``torchpp`` logger) and

@@ -71,6 +71,12 @@ class LayerTrace:
                        layer.register_forward_hook(self._leave)]
         self._hooks += [module.register_forward_hook(self._linear(f"{path}.{name}"))
                         for name, module in layer.named_modules() if is_linear(module)]
+        # What the modules holding linears (an attention block) are called with: a bias built for every
+        # head outside them (ALiBi) is cut to each rank's heads (auto_check tries it).
+        self.calls: Dict[str, tuple] = {}
+        self._hooks += [module.register_forward_pre_hook(self._called(name), with_kwargs=True)
+                        for name, module in layer.named_modules() if name and not is_linear(module)
+                        and any(is_linear(m) for m in module.modules())]
 
     def _enter(self, module, args, kwargs):
         if self.input is None:
@@ -83,6 +89,11 @@ class LayerTrace:
         if self.output is None:
             self.output = first_tensor(output)
             self.exit = history(self.output)
+
+    def _called(self, name):
+        def hook(module, args, kwargs):
+            self.calls.setdefault(name, (args, kwargs))
+        return hook
 
     def _linear(self, name):
         def hook(module, args, output):

@@ -29,6 +29,7 @@ embeddings in ``tp_forwards``.
 | moe_identity_expert            | -                               | input divided by the TP size             |
 | mla_kv_a_proj                  | replicated                      | f on the rotary part of the output       |
 | all_reduce                     | -                               | f on inputs (no TP linear inside), g out |
+| split_head_inputs(a, ...)      | -                               | inputs a, ... cut to this rank's heads   |
 | local_params, replicate        | -                               | unchanged (parameters are local here)    |
 """
 from __future__ import annotations
@@ -427,6 +428,12 @@ def get_style(name: str, where: str, config=None) -> Style:
     if sized and sized.group(1) in BLOCK_STYLES:
         style = BLOCK_STYLES[sized.group(1)]([int(size) for size in sized.group(2).split(",")])
         return _named(style, name)
+    if name.startswith("split_head_inputs("):  # parameterised by the inputs it slices
+        from torchpp.tensor_parallel.head_inputs import head_inputs_style_of
+
+        style = head_inputs_style_of(name)
+        if style is not None:
+            return style
     if name not in STYLES:
         raise PlanError(f"torchpp plan: unknown style {name!r} for {where}; known styles: {sorted(STYLES)}")
     return STYLES[name]
