@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from torchpp.models.auto_fused_qkv import fused_qkv_variants
 from torchpp.tensor_parallel.random import rng_restored
 from torchpp.tensor_parallel.styles import STYLES, PlanError, TPContext
 from torchpp.tensor_parallel.tp_forwards import check_own_forward
@@ -80,7 +81,8 @@ def _without_sharing(kept: List[Dict[str, str]], dropped: List[Dict[str, str]], 
 def _first_that_holds(layer, call, group: Dict[str, str], ctx) -> Tuple[Optional[Dict[str, str]], str]:
     """``group``, or failing that the same with its column-split readers split as 2 or 3 equal
     fused parts (an output cut in parts by a view, which the trace cannot tell from heads:
-    Moshi's gate and up), whichever holds first; (None, why the group itself does not)."""
+    Moshi's gate and up), or as fused q/k/v of unequal parts (``auto_fused_qkv``), whichever holds
+    first; (None, why the group itself does not)."""
     why = _why_not(layer, call, group, ctx)
     if why is None:
         return group, ""
@@ -90,6 +92,9 @@ def _first_that_holds(layer, call, group: Dict[str, str], ctx) -> Tuple[Optional
                               % (parts * ctx.size) for n in readers):
             continue
         variant = {**group, **{n: packed for n in readers}}
+        if _why_not(layer, call, variant, ctx) is None:
+            return variant, ""
+    for variant in fused_qkv_variants(layer, group, ctx):  # fused q/k/v of unequal parts (multi-query attention)
         if _why_not(layer, call, variant, ctx) is None:
             return variant, ""
     return None, why

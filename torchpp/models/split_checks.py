@@ -17,11 +17,12 @@ from typing import Dict, List, Mapping
 import torch
 from torch import nn
 
+from torchpp.models.auto_fused_qkv import FUSED_QKV_STYLES
 from torchpp.models.autograd_walk import TRACE_TOKENS, leaving_no_history, walk_back
 from torchpp.tensor_parallel.random import rng_restored
 
 # Fused readers split part by part feed a row split too (a group that gathers splits them plainly).
-COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise")
+COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise", *FUSED_QKV_STYLES)
 ROW_STYLES = ("rowwise",)
 # Autograd nodes that combine features along a dimension (not softmax: within a head, over keys).
 REDUCTIONS = ("Mean", "Var", "Std", "Sum", "Norm", "Prod", "Amax", "Amin", "MaxBackward", "MinBackward", "LogsumexpBackward")

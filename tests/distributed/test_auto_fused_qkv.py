@@ -1,0 +1,77 @@
+"""plan="auto" splits the fused query/key/value projection of multi-query attention
+(torchpp.models.auto_fused_qkv, torchpp.tensor_parallel.fused_qkv): StarCoder's ``c_attn``
+[q | k | v] and Falcon's ``query_key_value`` (H query heads then one k and one v head; grouped per
+key/value head under Falcon's new architecture) split head by head, the key/value head copied on
+both ranks. On gloo ranks in float64 against the unwrapped model (torchpp.testing.model_checks:
+loss, logits, every gradient, one SGD step), every linear of each layer split; the gradient norm
+counts the copied rows once. Query heads the TP size does not divide keep the attention whole."""
+import copy
+import logging
+
+import pytest
+import torch
+
+from torchpp.models.auto_plan import auto_plans
+from torchpp.testing.model_checks import SPLIT_NOTE, check_pp, check_tp
+from torchpp.testing.tiny_models import tiny_model
+
+TIMEOUT_S = 240
+# (model type, config attributes, linears split per layer)
+MULTI_QUERY = [("gpt_bigcode", {"multi_query": True}, "GPTBigCodeBlock 4/4"),
+               ("falcon", {"multi_query": True, "new_decoder_architecture": False}, "FalconDecoderLayer 4/4"),
+               ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 1}, "FalconDecoderLayer 4/4"),
+               ("gpt_bigcode", {"multi_query": False}, "GPTBigCodeBlock 4/4")]  # equal parts, as before
+
+
+def _check_all(cases):
+    splits = [check_tp(model_type, plan="auto", **extra).partition(SPLIT_NOTE)[2] for model_type, extra, _ in cases]
+    return splits, _norm_with_copies()
+
+
+def test_multi_query_attention_splits_with_key_value_heads_copied(ranks):
+    results = ranks(2).run(_check_all, MULTI_QUERY, timeout=TIMEOUT_S)
+    for splits, _ in results:
+        assert splits == [split for _, _, split in MULTI_QUERY], splits
+    assert results[0][1] == results[1][1]  # the gradient norm, counting the copied rows once (_norm_with_copies)
+
+
+def _pipelined():
+    return check_pp("gpt_bigcode", pp=2, tp=2, plan="auto")
+
+
+def test_multi_query_attention_split_in_a_pipeline(ranks):
+    assert all("grads on this rank" in d for d in ranks(4).run(_pipelined, timeout=TIMEOUT_S))
+
+
+def _norm_with_copies():
+    import torchpp
+    from torchpp.models import parallelize
+    from torchpp.parallel import clip_grad_norm_
+    from torchpp.testing.model_checks import assert_close, batch, exact_causal_lm_loss, precision
+    from torchpp.testing.tiny_models import tiny_model
+
+    with precision(torch.float64):
+        state = torchpp.init_parallel(tp=2, pp=1)
+        model = tiny_model("gpt_bigcode", multi_query=True)
+        reference = copy.deepcopy(model)
+        ids, labels = batch(model.config.vocab_size)
+        for m in (model, reference):
+            m.loss_function = exact_causal_lm_loss
+        reference(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+        wrapped = parallelize(model, state=state, plan="auto")
+        wrapped(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        assert any(hasattr(p, "tp_uncounted") for p in wrapped.parameters()) == (state.tp_rank == 1)
+        norm = clip_grad_norm_(wrapped.parameters(), float("inf"), state=state)
+        assert_close(norm, expected.to(norm.dtype), "gradient norm with copied key/value rows")
+        return norm.item()
+
+
+@pytest.mark.parametrize("model_type", ["gpt_bigcode", "falcon"])
+def test_query_heads_tp_does_not_divide_keep_attention_whole(model_type, caplog):
+    # 2 query heads over tp=4 (tried in this process): the MLP splits, the attention stays whole, and the log says why.
+    with caplog.at_level(logging.INFO, logger="torchpp"):
+        plan, _ = auto_plans(tiny_model(model_type, num_attention_heads=2), tp=4)
+    assert not any("attn" in name or "attention" in name for name in plan), plan
+    assert len(plan) == 2, plan
+    assert "kept whole (with its readers" in caplog.text and "split over tp=4 it fails" in caplog.text, caplog.text
