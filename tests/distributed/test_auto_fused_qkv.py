@@ -4,7 +4,7 @@
 key/value head under Falcon's new architecture) split head by head, the key/value head copied on
 both ranks. On gloo ranks in float64 against the unwrapped model (torchpp.testing.model_checks:
 loss, logits, every gradient, one SGD step), every linear of each layer split; the gradient norm
-counts the copied rows once. Query heads the TP size does not divide keep the attention whole."""
+counts the copied rows once; save_hf_checkpoint and load_hf_weights round-trip them. Query heads the TP size does not divide keep the attention whole."""
 import copy
 import logging
 
@@ -23,13 +23,14 @@ MULTI_QUERY = [("gpt_bigcode", {"multi_query": True}, "GPTBigCodeBlock 4/4"),
                ("gpt_bigcode", {"multi_query": False}, "GPTBigCodeBlock 4/4")]  # equal parts, as before
 
 
-def _check_all(cases):
+def _check_all(cases, directory):
     splits = [check_tp(model_type, plan="auto", **extra).partition(SPLIT_NOTE)[2] for model_type, extra, _ in cases]
+    _checkpoint_round_trip(directory)
     return splits, _norm_with_copies()
 
 
-def test_multi_query_attention_splits_with_key_value_heads_copied(ranks):
-    results = ranks(2).run(_check_all, MULTI_QUERY, timeout=TIMEOUT_S)
+def test_multi_query_attention_splits_with_key_value_heads_copied(ranks, tmp_path):
+    results = ranks(2).run(_check_all, MULTI_QUERY, str(tmp_path / "saved"), timeout=TIMEOUT_S)
     for splits, _ in results:
         assert splits == [split for _, _, split in MULTI_QUERY], splits
     assert results[0][1] == results[1][1]  # the gradient norm, counting the copied rows once (_norm_with_copies)
@@ -41,6 +42,27 @@ def _pipelined():
 
 def test_multi_query_attention_split_in_a_pipeline(ranks):
     assert all("grads on this rank" in d for d in ranks(4).run(_pipelined, timeout=TIMEOUT_S))
+
+
+def _checkpoint_round_trip(directory):
+    """save_hf_checkpoint writes the unsplit tensors (one copy of the key/value rows), bit for bit;
+    load_hf_weights cuts each rank's shard, copies included, back out of them."""
+    import torchpp
+    from torchpp.models import load_hf_weights, parallelize, save_hf_checkpoint
+
+    state = torchpp.init_parallel(tp=2, pp=1)
+    model = tiny_model("gpt_bigcode", multi_query=True)  # biases too
+    original = copy.deepcopy(model)
+    wrapped = parallelize(model, state=state, plan="auto")
+    save_hf_checkpoint(wrapped, directory)
+    reloaded = type(original).from_pretrained(directory, dtype=torch.float64).state_dict()
+    for name, value in original.state_dict().items():
+        assert torch.equal(reloaded[name], value), f"saved {name}"
+    other = parallelize(tiny_model("gpt_bigcode", multi_query=True, seed=7), state=state, plan="auto")
+    load_hf_weights(other, directory)
+    want = dict(wrapped.named_parameters())
+    for name, param in other.named_parameters():
+        assert torch.equal(param, want[name]), f"loaded {name}"
 
 
 def _norm_with_copies():
