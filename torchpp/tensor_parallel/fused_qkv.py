@@ -30,7 +30,7 @@ def fused_qkv_layouts(out_features: int, dim: int, ctx: TPContext, name: str, gr
                         f"{head_dim} and as many key as value heads")
     layout = FusedQKV(dim, head_dim, heads, kv, grouped)
     try:
-        layout._check(ctx.size)
+        layout.check(ctx.size)
     except ValueError as error:
         raise PlanError(f"torchpp plan: {name}: {error}") from None
     return layout, FusedQKV(0, head_dim, heads, kv, grouped)

@@ -154,7 +154,8 @@ class FusedQKV(Layout):
         local = (self.num_heads // size) * self.head_dim + copied
         return range(local - copied, local) if rank % self.copies(size) else range(0)
 
-    def _check(self, size: int) -> None:
+    def check(self, size: int) -> None:
+        """Raises ValueError naming the head counts where ``size`` ranks cannot split them."""
         heads, kv = self.num_heads, self.num_kv_heads
         if heads % size or heads % kv or (kv % size and size % kv):
             raise ValueError(f"torchpp: num_heads={heads} with num_kv_heads={kv} do not split over the tensor-parallel "
@@ -191,7 +192,7 @@ class FusedQKV(Layout):
         return full
 
     def shard(self, full, rank, size):
-        self._check(size)
+        self.check(size)
         expected = self.full_shape(full.shape, size)[self.dim]
         if full.size(self.dim) != expected:
             raise ValueError(f"torchpp: a fused query/key/value tensor of size {full.size(self.dim)} along dim "

@@ -121,7 +121,8 @@ class Colwise(Style):
                 sum_grads_over_copies(param, ctx)
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
-        # Copies' gradients are summed by a hook, which a deferred (W pass) gradient would skip.
+        # Copies' gradients are summed by a hook, which a deferred (W pass) gradient would skip; copied
+        # key/value rows run as two linears on slices of the weight, no leaf for a W pass.
         # out_features stays the whole layer's, as transformers' own TP keeps it (models read it).
         module.tp = LinearTP(ctx.group, column=True, gather_output=self.gather_output, out_features=out_features,
                              split_bw=ctx.split_bw and not copies and not copied, copied_features=copied)
