@@ -4,7 +4,7 @@
 key/value head under Falcon's new architecture) split head by head, the key/value head copied on
 both ranks. On gloo ranks in float64 against the unwrapped model (torchpp.testing.model_checks:
 loss, logits, every gradient, one SGD step), every linear of each layer split; the gradient norm
-counts the copied rows once; save_hf_checkpoint and load_hf_weights round-trip them. Query heads the TP size does not divide keep the attention whole."""
+counts the copied rows once (also over ZeRO's flat segments); save_hf_checkpoint and load_hf_weights round-trip them. Query heads the TP size does not divide keep the attention whole."""
 import copy
 import logging
 
@@ -37,11 +37,41 @@ def test_multi_query_attention_splits_with_key_value_heads_copied(ranks, tmp_pat
 
 
 def _pipelined():
-    return check_pp("gpt_bigcode", pp=2, tp=2, plan="auto")
+    return check_pp("gpt_bigcode", pp=2, tp=2, plan="auto"), _zero_norm_with_copies()
 
 
-def test_multi_query_attention_split_in_a_pipeline(ranks):
-    assert all("grads on this rank" in d for d in ranks(4).run(_pipelined, timeout=TIMEOUT_S))
+def _zero_norm_with_copies():
+    """dp=2 x tp=2 under ZeRO-2 with one-parameter buckets: each fused q/k/v weight is cut between the
+    dp ranks (its copied rows in the second half), and the optimizer's gradient norm over the ranks'
+    segments equals the unwrapped model's on the whole batch."""
+    import torchpp
+    from torchpp.models import parallelize
+    from torchpp.parallel import DistributedOptimizer
+    from torchpp.testing.model_checks import assert_close, batch, exact_causal_lm_loss, precision
+
+    with precision(torch.float64):
+        state = torchpp.init_parallel(tp=2, pp=1, dp=2)
+        model = tiny_model("gpt_bigcode", multi_query=True)
+        reference = copy.deepcopy(model)
+        reference.loss_function = exact_causal_lm_loss
+        ids = labels = batch(model.config.vocab_size)[0]  # every position counted: the halves' means average to the whole's
+        reference(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+        wrapped = parallelize(model, schedule="1f1b", n_microbatches=1, state=state, plan="auto")
+        optimizer = DistributedOptimizer(wrapped.parameters(), torch.optim.SGD, state, zero=2, max_norm=1e9,
+                                         bucket_bytes=4096, lr=0.0)
+        rows, targets = (t.chunk(state.dp)[state.dp_rank] for t in (ids, labels))
+        optimizer.zero_grad()
+        wrapped.step(rows, labels=targets)
+        norm = optimizer.step()
+        assert_close(norm, expected.to(norm.dtype), "ZeRO-2 gradient norm with copied key/value rows")
+        return norm.item()
+
+
+def test_multi_query_attention_split_in_a_pipeline_and_under_zero(ranks):
+    results = ranks(4).run(_pipelined, timeout=TIMEOUT_S)
+    assert all("grads on this rank" in pipelined for pipelined, _ in results), results
+    assert len({norm for _, norm in results}) == 1, results
 
 
 def _checkpoint_round_trip(directory):
