@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from torchpp.models.auto_fused_qkv import fused_qkv_variants
 from torchpp.models.auto_trace import is_linear
 from torchpp.tensor_parallel.head_inputs import (head_inputs_style, parse_head_inputs_style, per_head_inputs,
                                                  slice_head_inputs)
@@ -86,8 +87,9 @@ def _first_that_holds(layer, call, group: Dict[str, str], ctx, head_inputs: Opti
                       ) -> Tuple[Optional[Dict[str, str]], str]:
     """``group``, or failing that the same with its column-split readers split as 2 or 3 equal
     fused parts (an output cut in parts by a view, which the trace cannot tell from heads:
-    Moshi's gate and up), then each of these with ``head_inputs`` (the attention module's per-head
-    inputs cut to each rank's heads: ALiBi), whichever holds first; (None, why the group itself does not)."""
+    Moshi's gate and up), or as fused q/k/v of unequal parts (``auto_fused_qkv``), then each of
+    these with ``head_inputs`` (the attention module's per-head inputs cut to each rank's heads:
+    ALiBi), whichever holds first; (None, why the group itself does not)."""
     why = _why_not(layer, call, group, ctx)
     if why is None:
         return group, ""
@@ -98,6 +100,7 @@ def _first_that_holds(layer, call, group: Dict[str, str], ctx, head_inputs: Opti
                               % (parts * ctx.size) for n in readers):
             continue
         variants.append({**group, **{n: packed for n in readers}})
+    variants += fused_qkv_variants(layer, group, ctx)  # fused q/k/v of unequal parts (multi-query attention)
     if head_inputs:
         variants += [{**variant, **head_inputs} for variant in [group] + variants]
     sliced_why = ""

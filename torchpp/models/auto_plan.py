@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from torchpp.models.auto_fused_qkv import FUSED_QKV_STYLES, local_key_value_counts
 from torchpp.models.auto_trace import PACKED_STYLES, LayerTrace, is_linear
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
@@ -213,7 +214,9 @@ def _planned(name: str, plan: Dict[str, str]) -> bool:
 def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContext, done=()) -> None:
     """Gives the modules holding split projections this rank's head counts and widths (but those
     named in ``done``: their counts are this rank's already)."""
-    owners = {name.rpartition(".")[0] for name, style in plan.items() if style in ("colwise", *PACKED_STYLES.values())}
+    owners = {name.rpartition(".")[0] for name, style in plan.items()
+              if style in ("colwise", *PACKED_STYLES.values(), *FUSED_QKV_STYLES)}
+    fused = {name.rpartition(".")[0] for name, style in plan.items() if style in FUSED_QKV_STYLES}
     for name, module in model.named_modules():
         if name in done or not any(re.fullmatch(_glob_regex(owner), name) for owner in owners):
             continue
@@ -221,6 +224,8 @@ def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContex
             value = getattr(module, attribute, None)
             if isinstance(value, int) and not isinstance(value, bool) and value % ctx.size == 0:
                 setattr(module, attribute, value // ctx.size)
+        if any(re.fullmatch(_glob_regex(owner), name) for owner in fused):
+            local_key_value_counts(module, ctx.size)
 
 
 def _glob_regex(glob: str) -> str:

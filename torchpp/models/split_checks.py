@@ -17,12 +17,13 @@ from typing import Dict, List, Mapping
 import torch
 from torch import nn
 
+from torchpp.models.auto_fused_qkv import FUSED_QKV_STYLES
 from torchpp.models.autograd_walk import walk_back
 from torchpp.models.traced_forward import traced_forward
 
 # Fused readers split part by part feed a row split too (a group that gathers splits them plainly);
 # so do those split block by block by size (``packed_colwise(a,b,...)``: Mamba 2's in_proj).
-COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise", "packed_colwise(")
+COLUMN_STYLES = ("colwise", "packed_colwise", "packed3_colwise", *FUSED_QKV_STYLES, "packed_colwise(")
 ROW_STYLES = ("rowwise",)
 # Autograd nodes that combine features along a dimension (not softmax: within a head, over keys).
 REDUCTIONS = ("Mean", "Var", "Std", "Sum", "Norm", "Prod", "Amax", "Amin", "MaxBackward", "MinBackward", "LogsumexpBackward")

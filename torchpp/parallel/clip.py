@@ -26,13 +26,29 @@ def _counted_here(param: torch.Tensor, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def _counted_squares(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The sum of ``grad``'s squares, less the rows copied from another TP rank that counts them
+    (``tp_uncounted``: a fused q/k/v projection's copied key/value heads)."""
+    squared = grad.detach().float().pow(2)
+    uncounted = getattr(param, "tp_uncounted", None)
+    if uncounted is None:
+        return squared.sum()
+    dim, start, stop = uncounted
+    counted = torch.ones(param.shape, dtype=torch.bool, device=grad.device)
+    counted.narrow(dim, start, stop - start).fill_(False)
+    if grad.shape != param.shape:  # a ZeRO segment: its part of the flattened parameter
+        lo = getattr(param, "zero_param_lo", 0)
+        counted = counted.flatten()[lo:lo + grad.numel()].view(grad.shape)
+    return squared[counted].sum()
+
+
 def local_squared_norm(grads_and_params: Iterable[Tuple[torch.Tensor, torch.Tensor]], tp_rank: int) -> torch.Tensor:
     """This rank's share of the global sum of squares (float64), each element counted once."""
     total = None
     for grad, param in grads_and_params:
         if grad is None or not _counted_here(param, tp_rank):
             continue
-        squared = grad.detach().float().pow(2).sum()
+        squared = _counted_squares(grad, param)
         total = squared if total is None else total + squared
     if total is None:
         total = torch.zeros((), dtype=torch.float32)

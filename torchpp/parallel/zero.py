@@ -126,6 +126,7 @@ class _FlatGroup:
             view = torch.nn.Parameter(source, requires_grad=True)  # shares storage
             view.grad = self.grad_shard[a - lo : b - lo]
             segments.append(_Segment(param, view, a, b, param_lo=a - start))
+            param.zero_param_lo = a - start  # one segment per parameter and rank: the norm finds its rows by it
         return segments
 
     def restore_grad_views(self) -> None:

@@ -126,3 +126,79 @@ class HeadCopies(Layout):
 
     def __repr__(self) -> str:
         return f"HeadCopies(dim={self.dim}, head_dim={self.head_dim}, replicas={self.replicas})"
+
+
+class FusedQKV(Layout):
+    """A fused query/key/value projection along ``dim``: ``num_heads`` query heads and
+    ``num_kv_heads`` key and value heads, ``head_dim`` wide each, in blocks [q | k | v] or, when
+    ``grouped``, per key/value head [its queries, k, v] (Falcon's new architecture). TP rank r
+    holds its num_heads/size query heads and the key/value heads they read, arranged alike: its
+    num_kv_heads/size of them, or, with more ranks than key/value heads, a copy of the one its
+    query heads share (as Megatron-LM replicates them). One copy of each row makes the full tensor."""
+
+    def __init__(self, dim: int, head_dim: int, num_heads: int, num_kv_heads: int, grouped: bool = False):
+        self.dim, self.head_dim, self.num_heads, self.num_kv_heads = dim, head_dim, num_heads, num_kv_heads
+        self.grouped = grouped
+
+    def copies(self, size: int) -> int:
+        """On how many ranks each key/value head sits."""
+        return max(1, size // self.num_kv_heads)
+
+    def copied_features(self, size: int) -> int:
+        """How many of a rank's last output features are copies of key/value heads (0: none copied)."""
+        return 2 * self.head_dim if self.copies(size) > 1 else 0
+
+    def uncounted(self, rank: int, size: int) -> range:
+        """The rows of rank ``rank``'s shard along ``dim`` that another rank's copy counts (a norm counts each once)."""
+        copied = self.copied_features(size)
+        local = (self.num_heads // size) * self.head_dim + copied
+        return range(local - copied, local) if rank % self.copies(size) else range(0)
+
+    def check(self, size: int) -> None:
+        """Raises ValueError naming the head counts where ``size`` ranks cannot split them."""
+        heads, kv = self.num_heads, self.num_kv_heads
+        if heads % size or heads % kv or (kv % size and size % kv):
+            raise ValueError(f"torchpp: num_heads={heads} with num_kv_heads={kv} do not split over the tensor-parallel "
+                             f"size {size} (it must divide num_heads, and divide num_kv_heads or be a multiple of it)")
+
+    def _rows(self, rank: int, size: int) -> torch.Tensor:
+        """Where rank ``rank``'s rows sit in the full tensor, in the shard's order."""
+        heads, kv = self.num_heads, self.num_kv_heads
+        per_group = heads // kv
+        if self.grouped:  # slots of group g: [g * (per_group + 2), ...): its queries, then k, then v
+            query = lambda h: h // per_group * (per_group + 2) + h % per_group  # noqa: E731
+            key = lambda j: j * (per_group + 2) + per_group  # noqa: E731
+        else:
+            query, key = (lambda h: h), (lambda j: heads + j)
+        value = lambda j: key(j) + (1 if self.grouped else kv)  # noqa: E731
+        queries = range(rank * heads // size, (rank + 1) * heads // size)
+        kv_heads = range(rank * kv // size, (rank + 1) * kv // size) if kv >= size else [rank * kv // size]
+        if self.grouped:
+            slots = [s for j in kv_heads for s in [query(h) for h in queries if h // per_group == j] + [key(j), value(j)]]
+        else:
+            slots = [query(h) for h in queries] + [key(j) for j in kv_heads] + [value(j) for j in kv_heads]
+        return (torch.tensor(slots).unsqueeze(1) * self.head_dim + torch.arange(self.head_dim)).flatten()
+
+    def full_shape(self, local_shape, size):
+        shape = list(local_shape)
+        shape[self.dim] = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return torch.Size(shape)
+
+    def __call__(self, shards):
+        size = len(shards)
+        full = shards[0].new_empty(self.full_shape(shards[0].shape, size))
+        for rank in reversed(range(size)):  # a key/value head's first copy is written last
+            full.index_copy_(self.dim, self._rows(rank, size).to(full.device), shards[rank])
+        return full
+
+    def shard(self, full, rank, size):
+        self.check(size)
+        expected = self.full_shape(full.shape, size)[self.dim]
+        if full.size(self.dim) != expected:
+            raise ValueError(f"torchpp: a fused query/key/value tensor of size {full.size(self.dim)} along dim "
+                             f"{self.dim} where {expected} was expected")
+        return full.index_select(self.dim, self._rows(rank, size).to(full.device))
+
+    def __repr__(self) -> str:
+        return (f"FusedQKV(dim={self.dim}, head_dim={self.head_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}{', grouped' if self.grouped else ''})")

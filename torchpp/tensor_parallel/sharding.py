@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpp.tensor_parallel.layouts import HeadCopies, Layout, Replicated
+from torchpp.tensor_parallel.layouts import FusedQKV, HeadCopies, Layout, Replicated
 from torchpp.tensor_parallel.utils import mark_tensor_parallel
 
 
@@ -66,6 +66,9 @@ def shard_parameter(param: nn.Parameter, layout: Layout, ctx: TPContext, name: s
         param.tp_replicas = layout.replicas
         if ctx.rank % layout.replicas:
             param.shared_duplicate = True  # the norm counts one copy of each head
+    if isinstance(layout, FusedQKV) and len(layout.uncounted(ctx.rank, ctx.size)):
+        rows = layout.uncounted(ctx.rank, ctx.size)  # copied key/value rows: another rank's copy is counted
+        param.tp_uncounted = (layout.dim % param.dim(), rows.start, rows.stop)
 
 
 def full_shape(param: torch.Tensor, ctx: TPContext) -> torch.Size:

@@ -21,6 +21,7 @@ embeddings in ``tp_forwards``.
 | conv_channels[(a,b,...)]       | channels split (depthwise conv) | as before, on this rank's channels       |
 | packed_colwise                 | fused rows split block by block | as colwise                               |
 | packed_colwise(a,b,...)        | as above, blocks of these sizes | as colwise                               |
+| packed_qkv_colwise (_grouped_) | own q heads, k/v heads or copies| as colwise; f on copied k/v outputs      |
 | packed_rowwise                 | fused last dim split per block  | (parameter style)                        |
 | embedding_rowwise              | vocabulary split (padded)       | partial lookups summed (g)               |
 | embedding_colwise              | embedding dim split             | output all-gathered                      |
@@ -41,7 +42,8 @@ import torch
 from torch import nn
 
 from torchpp import ops
-from torchpp.tensor_parallel.layouts import HeadCopies, Layout, Packed, Replicated, Split
+from torchpp.tensor_parallel.fused_qkv import fused_qkv_layouts
+from torchpp.tensor_parallel.layouts import FusedQKV, HeadCopies, Layout, Packed, Replicated, Split
 # PlanError and TPContext are imported from here by the plan code (their home is sharding.py).
 from torchpp.tensor_parallel.sharding import (PlanError, TPContext, full_shape, shard_parameter,
                                               sum_grads_over_copies, sum_grads_over_tp)
@@ -87,8 +89,9 @@ def _head_layout(out_features: int, dim: int, ctx: TPContext, name: str) -> Layo
 class Colwise(Style):
     name = "colwise"
 
-    def __init__(self, gather_output: bool = False, packed: int = 1, blocks: Optional[Sequence[int]] = None):
-        self.gather_output, self.packed, self.blocks = gather_output, packed, blocks
+    def __init__(self, gather_output: bool = False, packed: int = 1, blocks: Optional[Sequence[int]] = None,
+                 fused_qkv: Optional[str] = None):
+        self.gather_output, self.packed, self.blocks, self.fused_qkv = gather_output, packed, blocks, fused_qkv
 
     def layouts(self, module, name, ctx) -> Tuple[Layout, Layout]:
         """(weight layout, bias layout) of the linear ``module`` (also what plan="auto" simulates)."""
@@ -97,6 +100,8 @@ class Colwise(Style):
         if self.blocks is not None:
             layout = Packed(dim, _blocks_of(self.blocks, out_features, name))
             return layout, Packed(0, layout.blocks)
+        if self.fused_qkv:  # "blocks" [q | k | v] or "grouped" per key/value head
+            return fused_qkv_layouts(out_features, dim, ctx, name, grouped=self.fused_qkv == "grouped")
         if self.packed > 1:
             if out_features % self.packed:
                 raise PlanError(f"torchpp plan: {name} ({out_features} output features) is not {self.packed} "
@@ -119,15 +124,17 @@ class Colwise(Style):
         if module.bias is not None:
             shard_parameter(module.bias, bias_layout, ctx, f"{name}.bias")
         copies = isinstance(layout, HeadCopies)
+        copied = layout.copied_features(ctx.size) if isinstance(layout, FusedQKV) else 0
         for param in (module.weight, module.bias):
             if copies and param is not None:
                 sum_grads_over_copies(param, ctx)
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
-        # Copies' gradients are summed by a hook, which a deferred (W pass) gradient would skip.
+        # Copies' gradients are summed by a hook, which a deferred (W pass) gradient would skip; copied
+        # key/value rows run as two linears on slices of the weight, no leaf for a W pass.
         # out_features stays the whole layer's, as transformers' own TP keeps it (models read it).
         module.tp = LinearTP(ctx.group, column=True, gather_output=self.gather_output, out_features=out_features,
-                             split_bw=ctx.split_bw and not copies)
+                             split_bw=ctx.split_bw and not copies and not copied, copied_features=copied)
 
     def param_layout(self, param: torch.Tensor) -> Layout:
         """The layout of a bare parameter the plan names (a fused expert tensor, a per-head vector)."""
@@ -393,6 +400,9 @@ STYLES: Dict[str, Style] = {
     "colwise_gather_output": _named(Colwise(gather_output=True), "colwise_gather_output"),
     "packed_colwise": _named(Colwise(packed=2), "packed_colwise"),
     "packed3_colwise": _named(Colwise(packed=3), "packed3_colwise"),  # torchpp's: fused q, k, v (GPT-2)
+    # torchpp's: fused q, k, v of unequal widths (multi-query attention), key/value heads copied where needed
+    "packed_qkv_colwise": _named(Colwise(fused_qkv="blocks"), "packed_qkv_colwise"),
+    "packed_qkv_grouped_colwise": _named(Colwise(fused_qkv="grouped"), "packed_qkv_grouped_colwise"),
     "rowwise": _named(Rowwise(), "rowwise"),
     "rowwise_split_input": _named(Rowwise(split_input=True), "rowwise_split_input"),
     "rowwise_rep": _named(Rowwise(split_input=True), "rowwise_rep"),

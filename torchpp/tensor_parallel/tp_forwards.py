@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchpp import ops
+from torchpp.tensor_parallel.fused_qkv import copied_tail_linear
 from torchpp.tensor_parallel.sharding import PlanError
 
 
@@ -36,6 +37,7 @@ class LinearTP:
     split_bw: bool = False
     scatter_output: bool = False  # row split whose output keeps this rank's slice (per-head outputs)
     copy_output: bool = False  # row split read by computations split over TP (f after g: their gradients are partial)
+    copied_features: int = 0  # column split: last output features copied on every rank (fused_qkv)
 
 
 class TPLinearForward:
@@ -50,6 +52,8 @@ class TPLinearForward:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         tp, weight = self.tp, self._tp_weight()
         split_bw = tp.split_bw and self._splittable
+        if tp.column and tp.copied_features:
+            return copied_tail_linear(input, weight, self.bias, tp.copied_features, tp.group)
         if tp.column:
             output = _linear(ops.copy_to_tp_region(input, tp.group), weight, self.bias, split_bw)
             if tp.gather_output:
