@@ -5,8 +5,8 @@ key/value head under Falcon's new architecture) split head by head, the key/valu
 both ranks. On gloo ranks in float64 against the unwrapped model (torchpp.testing.model_checks:
 loss, logits, every gradient, one SGD step), every linear of each layer split, also at pp=2 x
 tp=2; the gradient norm counts the copied rows once (also over ZeRO's flat segments);
-save_hf_checkpoint and load_hf_weights round-trip them. Query heads the TP size does not divide
-keep the attention whole."""
+save_hf_checkpoint and load_hf_weights round-trip them; two key/value heads over tp=4, each copied
+on its own two ranks. Query heads the TP size does not divide keep the attention whole."""
 import copy
 import logging
 
@@ -112,6 +112,18 @@ def test_multi_query_attention_split_in_a_pipeline_and_under_zero(ranks):
     results = ranks(4).run(_pipelined, timeout=TIMEOUT_S)
     assert all("grads on this rank" in pipelined for pipelined, _ in results), results
     assert len({norm for _, norm in results}) == 1, results
+
+
+def _two_heads_copied():
+    return check_tp("falcon", tp=4, plan="auto", new_decoder_architecture=True, num_kv_heads=2)
+
+
+def test_several_key_value_heads_each_copied_on_its_own_ranks(ranks):
+    # 2 key/value heads over tp=4: ranks 0-1 hold a copy of head 0, ranks 2-3 of head 1. Each head's
+    # gradient is summed over its own copies only (its slot of the all-reduced row), its input-gradient
+    # share passed on once (once summed over all four ranks, the embedding's gradient was 10% off).
+    details = ranks(4).run(_two_heads_copied, timeout=TIMEOUT_S)
+    assert all(d.endswith("FalconDecoderLayer 4/4") for d in details), details
 
 
 @pytest.mark.parametrize("model_type", ["gpt_bigcode", "falcon"])

@@ -2,10 +2,11 @@
 each rank keeps its query heads and the key/value heads they read, copies of them where the ranks
 outnumber the key/value heads (multi-query attention: StarCoder, Falcon), as Megatron-LM does.
 
-The copied rows run on the input as it is, with f (identity forward, all-reduce backward) on
-their output: each rank's gradient of the copied keys and values covers its own query heads only,
-so the all-reduce gives every rank the whole of it, hence the copies' whole weight gradient, and
-their share of the input gradient once (the query rows' share is summed by the f on their input)."""
+The copied rows run with f (identity forward, all-reduce backward) on their output: each rank's
+gradient of the copied keys and values covers its own query heads only, so the all-reduce gives
+every copy the whole of it, hence the copies' whole weight gradient; their share of the input
+gradient is passed on by each head's first copy alone and summed with the query rows' by the f on
+the input."""
 from __future__ import annotations
 
 from typing import Tuple
@@ -36,10 +37,18 @@ def fused_qkv_layouts(out_features: int, dim: int, ctx: TPContext, name: str, gr
     return layout, FusedQKV(0, head_dim, heads, kv, grouped)
 
 
-def copied_tail_linear(input: torch.Tensor, weight: torch.Tensor, bias, copied: int, group) -> torch.Tensor:
-    """A column-split linear whose last ``copied`` output features are copies every rank holds
-    (the module docstring says why f sits on their output)."""
+def copied_tail_linear(input: torch.Tensor, weight: torch.Tensor, bias, copied: int, group, slot: int = 0,
+                       slots: int = 1, first: bool = True) -> torch.Tensor:
+    """A column-split linear whose last ``copied`` output features are a copy of key/value head
+    ``slot`` of ``slots`` (the module docstring says why f sits on their output). The copies'
+    output enters f in its head's slot of a zero-padded row, so the all-reduce sums each head's
+    gradient over its own copies only (several heads copied, each on its own ranks); only a head's
+    first copy passes its share of the input gradient on, which f on the input then sums over the
+    ranks with the query rows' shares: each head's share counted once."""
     own = weight.size(0) - copied
-    head = F.linear(ops.copy_to_tp_region(input, group), weight[:own], None if bias is None else bias[:own])
-    tail = F.linear(input, weight[own:], None if bias is None else bias[own:])
-    return torch.cat([head, ops.copy_to_tp_region(tail, group)], dim=-1)
+    shared = ops.copy_to_tp_region(input, group)
+    head = F.linear(shared, weight[:own], None if bias is None else bias[:own])
+    tail = F.linear(shared if first else shared.detach(), weight[own:], None if bias is None else bias[own:])
+    pieces = [tail if s == slot else tail.new_zeros(tail.shape) for s in range(slots)]
+    tail = ops.copy_to_tp_region(torch.cat(pieces, dim=-1), group).narrow(-1, slot * copied, copied)
+    return torch.cat([head, tail], dim=-1)

@@ -8,7 +8,7 @@ comparing with the unwrapped model). One Layout class per way of cutting, compos
 from __future__ import annotations
 
 import abc
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -147,6 +147,12 @@ class FusedQKV(Layout):
     def copied_features(self, size: int) -> int:
         """How many of a rank's last output features are copies of key/value heads (0: none copied)."""
         return 2 * self.head_dim if self.copies(size) > 1 else 0
+
+    def copy_slot(self, rank: int, size: int) -> Tuple[int, int, bool]:
+        """(which key/value head rank ``rank`` holds a copy of, how many heads are copied, whether
+        its copy is the head's first)."""
+        copies = self.copies(size)
+        return (rank // copies, self.num_kv_heads, rank % copies == 0) if copies > 1 else (0, 1, True)
 
     def uncounted(self, rank: int, size: int) -> range:
         """The rows of rank ``rank``'s shard along ``dim`` that another rank's copy counts (a norm counts each once)."""

@@ -134,7 +134,8 @@ class Colwise(Style):
         # key/value rows run as two linears on slices of the weight, no leaf for a W pass.
         # out_features stays the whole layer's, as transformers' own TP keeps it (models read it).
         module.tp = LinearTP(ctx.group, column=True, gather_output=self.gather_output, out_features=out_features,
-                             split_bw=ctx.split_bw and not copies and not copied, copied_features=copied)
+                             split_bw=ctx.split_bw and not copies and not copied, copied_features=copied,
+                             copy_slot=layout.copy_slot(ctx.rank, ctx.size) if copied else (0, 1, True))
 
     def param_layout(self, param: torch.Tensor) -> Layout:
         """The layout of a bare parameter the plan names (a fused expert tensor, a per-head vector)."""

@@ -38,6 +38,7 @@ class LinearTP:
     scatter_output: bool = False  # row split whose output keeps this rank's slice (per-head outputs)
     copy_output: bool = False  # row split read by computations split over TP (f after g: their gradients are partial)
     copied_features: int = 0  # column split: last output features copied on every rank (fused_qkv)
+    copy_slot: Tuple[int, int, bool] = (0, 1, True)  # FusedQKV.copy_slot: this rank's copied key/value head
 
 
 class TPLinearForward:
@@ -53,7 +54,7 @@ class TPLinearForward:
         tp, weight = self.tp, self._tp_weight()
         split_bw = tp.split_bw and self._splittable
         if tp.column and tp.copied_features:
-            return copied_tail_linear(input, weight, self.bias, tp.copied_features, tp.group)
+            return copied_tail_linear(input, weight, self.bias, tp.copied_features, tp.group, *tp.copy_slot)
         if tp.column:
             output = _linear(ops.copy_to_tp_region(input, tp.group), weight, self.bias, split_bw)
             if tp.gather_output:
