@@ -12,13 +12,36 @@ FALCON_ALIBI = dict(multi_query=False, new_decoder_architecture=False, alibi=Tru
 
 
 def _tp_cases():
-    return [check_tp("bloom", plan="auto"), check_tp("mpt", plan="auto"), check_tp("falcon", plan="auto", **FALCON_ALIBI)]
+    return [check_tp("bloom", plan="auto"), check_tp("mpt", plan="auto"), check_tp("falcon", plan="auto", **FALCON_ALIBI),
+            # Sequence parallelism: their attention and MLP add the residual (a sequence slice) inside.
+            check_tp("bloom", plan="auto", sequence_parallel=True), check_tp("mpt", plan="auto", sequence_parallel=True)]
 
 
 def test_alibi_attention_splits_at_tp2(ranks):
     for details in ranks(2).run(_tp_cases, timeout=TIMEOUT_S):
         assert [d.rpartition("linears split per layer: ")[2] for d in details] == [
-            "BloomBlock 4/4", "MptBlock 4/4", "FalconDecoderLayer 4/4"], details
+            "BloomBlock 4/4", "MptBlock 4/4", "FalconDecoderLayer 4/4", "BloomBlock 4/4", "MptBlock 4/4"], details
+
+
+# The plans "auto" derives, written by hand: the attention's head counts are divided as well.
+BY_HAND = {
+    "bloom": {"transformer.h.*.self_attention": "split_head_inputs(alibi)",
+              "transformer.h.*.self_attention.query_key_value": "colwise",
+              "transformer.h.*.self_attention.dense": "rowwise",
+              "transformer.h.*.mlp.dense_h_to_4h": "colwise", "transformer.h.*.mlp.dense_4h_to_h": "rowwise"},
+    "mpt": {"transformer.blocks.*.attn": "split_head_inputs(position_bias)",
+            "transformer.blocks.*.attn.Wqkv": "packed3_colwise", "transformer.blocks.*.attn.out_proj": "rowwise",
+            "transformer.blocks.*.ffn.up_proj": "colwise", "transformer.blocks.*.ffn.down_proj": "rowwise"},
+}
+
+
+def _by_hand_cases():
+    return [check_tp(kind, plan=plan) for kind, plan in BY_HAND.items()]
+
+
+def test_alibi_plans_by_hand_split_at_tp2(ranks):
+    for details in ranks(2).run(_by_hand_cases, timeout=TIMEOUT_S):
+        assert [d.partition(" grads, ")[2] for d in details] == ["24 sharded", "16 sharded"], details
 
 
 def _style_by_hand_on_whole_attention():

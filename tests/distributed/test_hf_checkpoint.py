@@ -164,17 +164,18 @@ def test_clear_errors(ranks, tmp_path):
 DCP_KINDS = (("phi3", 2), ("gpt2", 2), ("qwen2", 1))
 
 
-def _dcp_steps(kind, kv_heads, tp, root, save_after=None, load=False, dtype=torch.float64, restore=True):
-    """Two AdamW steps of `kind` at this tp (dp = 2 / tp) on the same batches, on the group's
-    device in `dtype`; saves after the first when `save_after`, or loads before the second when
-    `load` (skipping the first; `restore=False` skips the load too: a control)."""
+def _dcp_steps(kind, kv_heads, tp, root, save_after=None, load=False, dtype=torch.float64, restore=True, zero=0):
+    """Two AdamW steps of `kind` at this tp (dp = world / tp, ZeRO stage `zero`) on the same
+    batches, on the group's device in `dtype`; saves after the first when `save_after`, or loads
+    before the second when `load` (skipping the first; `restore=False` skips the load too: a
+    control)."""
     from torchpp.checkpoint import load_checkpoint, save_checkpoint
     from torchpp.parallel import DistributedOptimizer
 
     state = torchpp.init_parallel(tp=tp, pp=1)
     torch.manual_seed(0 if not load else 1)  # the loading run starts from other weights
     model = parallelize(tiny_model(kind, kv_heads=kv_heads).to(dtype), state=state)
-    optimizer = DistributedOptimizer(model.parameters(), torch.optim.AdamW, state, lr=1e-2)
+    optimizer = DistributedOptimizer(model, torch.optim.AdamW, state, zero=zero, lr=1e-2)
     ids, labels, _, _ = inputs_of("plain", model.config.vocab_size)
     ids, labels = ids.to(state.device), labels.to(state.device)
     losses = []
@@ -200,3 +201,21 @@ def test_dcp_checkpoint_of_fused_padded_and_copied_shards_reloads_at_another_tp(
         loaded = ranks(2).run(_dcp_steps, kind, kv_heads, 1, root, load=True, timeout=TIMEOUT_S)
         # The second step after loading at tp=1 (dp=2) gives the uninterrupted tp=2 run's loss.
         assert abs(loaded[0] - saved[0]) <= 1e-9 * abs(saved[0]), (kind, saved, loaded)
+
+
+def _dcp_steps_of_every_kind(tp, root, zero, **how):
+    return [_dcp_steps(kind, kv_heads, tp, os.path.join(root, kind), zero=zero, **how) for kind, kv_heads in DCP_KINDS]
+
+
+def test_zero_sharded_state_of_fused_padded_and_copied_shards_reloads_at_another_layout(ranks, tmp_path):
+    # Under ZeRO a rank holds a flat segment of its TP shard's AdamW moments, scattered over the
+    # full tensor these layouts save: saved at tp=2 x dp=2 under ZeRO-1, loaded under ZeRO-3 at
+    # the same layout (segments cut from the full tensor) and at tp=1 x dp=4 without ZeRO.
+    root = str(tmp_path)
+    saved = ranks(4).run(_dcp_steps_of_every_kind, 2, root, 1, save_after=True, timeout=TIMEOUT_S)[0]
+    for tp, zero in ((2, 3), (1, 0)):
+        loaded = ranks(4).run(_dcp_steps_of_every_kind, tp, root, zero, load=True, timeout=TIMEOUT_S)[0]
+        for (kind, _), before, after in zip(DCP_KINDS, saved, loaded):
+            assert abs(after - before) <= 1e-9 * abs(before), (kind, tp, zero, before, after)
+    control = ranks(4).run(_dcp_steps_of_every_kind, 2, root, 3, load=True, restore=False, timeout=TIMEOUT_S)[0]
+    assert all(abs(c - s) > 1e-6 * abs(s) for c, s in zip(control, saved)), (control, saved)  # the load matters

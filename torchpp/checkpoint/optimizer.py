@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torchpp.checkpoint.chunks import ChunkedTensor
 from torchpp.checkpoint.layout import (WholeLayout, as_dtensor, expert_shape_and_offset, global_shape_and_offset,
                                        saved_whole, tp_partition, tp_saved_whole)
+from torchpp.checkpoint.zero_whole import gather_whole_zero_state, segment_of_whole
 from torchpp.parallel.groups import ParallelState
 from torchpp.parallel.optimizer import DistributedOptimizer
 from torchpp.parallel.zero import ZeroRedundancyOptimizer, _Segment
@@ -67,10 +68,11 @@ def _leaves(optimizer, params: Mapping[str, nn.Parameter]) -> List[_Leaf]:
     return leaves
 
 
-def _per_element(leaf: _Leaf, local: torch.Tensor, state: ParallelState,
-                 loading: bool = False) -> Tuple[Any, bool, Optional[torch.Tensor]]:
+def _per_element(leaf: _Leaf, local: torch.Tensor, state: ParallelState, loading: bool = False,
+                 gathered: Optional[torch.Tensor] = None) -> Tuple[Any, bool, Optional[torch.Tensor]]:
     """`local` (state shaped like the leaf) as a DTensor, or as a ChunkedTensor under ZeRO; for
-    a parameter saved whole (see saved_whole), the full tensor (a buffer when `loading`).
+    a parameter saved whole (see saved_whole), the full tensor (a buffer when `loading`; under
+    ZeRO, `gathered` beforehand by gather_whole_zero_state).
     Returns (entry, whether it is chunked, the full tensor when saved whole)."""
     experts = getattr(leaf.param, "expert_parallel", None) is not None
     if experts and leaf.segment is not None and not tp_saved_whole(leaf.param, state):
@@ -79,14 +81,11 @@ def _per_element(leaf: _Leaf, local: torch.Tensor, state: ParallelState,
         shape, shift = expert_shape_and_offset(leaf.param, state)
         return ChunkedTensor.from_flat_range(local, leaf.param.shape, leaf.segment.param_lo, shape, shift), True, None
     if saved_whole(leaf.param, state):
-        if leaf.segment is not None:
-            raise NotImplementedError(
-                f"torchpp.checkpoint: ZeRO-sharded optimizer state of {leaf.name}, whose TP layout "
-                f"{getattr(leaf.param, 'tp_layout', None)!r} is not one contiguous block per rank (or which holds "
-                f"this rank's experts), cannot be saved layout-independently")
         layout = WholeLayout(leaf.param, state)
         if loading:
-            full = torch.empty(layout.full_shape(local.shape), dtype=local.dtype, device=local.device)
+            full = torch.empty(layout.full_shape(leaf.param.shape), dtype=local.dtype, device=local.device)
+        elif leaf.segment is not None:
+            full = gathered
         else:
             full = layout.gather(local)
         return as_dtensor(full, None, state), False, full
@@ -109,12 +108,14 @@ def optimizer_entries(optimizer, params: Mapping[str, nn.Parameter], state: Para
     plain: Dict[str, Any] = {}
     chunked: Dict[str, ChunkedTensor] = {}
     inner = _inner(optimizer)
+    whole_zero = gather_whole_zero_state(optimizer, state)
     for leaf in _leaves(optimizer, params):
         plain[HPARAMS_PREFIX + leaf.name] = {k: v for k, v in leaf.group.items() if k != "params"}
         for key, value in inner.state.get(leaf.tensor, {}).items():
             fqn = f"{STATE_PREFIX}{leaf.name}.{key}"
             if torch.is_tensor(value) and value.dim() > 0 and value.shape == leaf.tensor.shape:
-                entry, is_chunked, _ = _per_element(leaf, value, state)
+                entry, is_chunked, _ = _per_element(leaf, value, state,
+                                                    gathered=whole_zero.get((id(leaf.param), key)))
                 (chunked if is_chunked else plain)[fqn] = entry
             else:
                 plain[fqn] = value
@@ -130,14 +131,15 @@ class OptimizerTargets:
     # (leaf, state key, local tensor or None for objects read into `plain`)
     slots: List[Tuple[_Leaf, str, Optional[torch.Tensor]]]
     leaves: List[_Leaf]
-    # (local tensor, full buffer, layout) of state saved whole: the local tensor takes its shard
-    whole: List[Tuple[torch.Tensor, torch.Tensor, Any]] = field(default_factory=list)
+    # (local tensor, full buffer, layout, ZeRO segment or None) of state saved whole: the local
+    # tensor takes its TP shard, or that shard's segment
+    whole: List[Tuple[torch.Tensor, torch.Tensor, Any, Optional[_Segment]]] = field(default_factory=list)
 
     def install(self, optimizer) -> None:
         """Puts the loaded tensors and group options into the optimizer (after the DCP load)."""
         inner = _inner(_unwrap(optimizer))
-        for local, full, layout in self.whole:
-            local.copy_(layout.shard(full))
+        for local, full, layout, segment in self.whole:
+            local.copy_(layout.shard(full) if segment is None else segment_of_whole(full, layout, segment))
         for leaf, key, local in self.slots:
             value = local if local is not None else self.plain[f"{STATE_PREFIX}{leaf.name}.{key}"]
             inner.state[leaf.tensor][key] = value
@@ -181,7 +183,7 @@ def optimizer_targets(optimizer, params: Mapping[str, nn.Parameter], state: Para
                 local = torch.empty_like(leaf.tensor, dtype=dtype, memory_format=torch.contiguous_format)
                 entry, is_chunked, full = _per_element(leaf, local, state, loading=True)
                 if full is not None:
-                    targets.whole.append((local, full, WholeLayout(leaf.param, state)))
+                    targets.whole.append((local, full, WholeLayout(leaf.param, state), leaf.segment))
                 (targets.chunked if is_chunked else targets.plain)[fqn] = entry
             else:
                 # torch.optim keeps "step" on the CPU unless capturable/fused (see Optimizer.load_state_dict).

@@ -37,7 +37,6 @@ returns the plan; ``describe_plan`` formats it.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -48,6 +47,7 @@ from torchpp.models.auto_trace import PACKED_STYLES, LayerTrace, is_linear
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.models.traced_forward import traced_forward, untracked_layers_error
+from torchpp.tensor_parallel.plan import glob_pattern
 from torchpp.tensor_parallel.styles import PlanError, TPContext
 
 LOG = logging.getLogger("torchpp")
@@ -207,7 +207,7 @@ def split_counts(model: nn.Module, stack: str, is_split) -> str:
 
 def _planned(name: str, plan: Dict[str, str]) -> bool:
     """Whether a plan of globs splits the module ``name``."""
-    return any(style != "replicated_with_grad_allreduce" and re.fullmatch(_glob_regex(glob), name)
+    return any(style != "replicated_with_grad_allreduce" and glob_pattern(glob).match(name)
                for glob, style in plan.items())
 
 
@@ -218,18 +218,14 @@ def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContex
               if style in ("colwise", *PACKED_STYLES.values(), *FUSED_QKV_STYLES)}
     fused = {name.rpartition(".")[0] for name, style in plan.items() if style in FUSED_QKV_STYLES}
     for name, module in model.named_modules():
-        if name in done or not any(re.fullmatch(_glob_regex(owner), name) for owner in owners):
+        if name in done or not any(glob_pattern(owner).match(name) for owner in owners):
             continue
         for attribute in HEAD_ATTRIBUTES:
             value = getattr(module, attribute, None)
             if isinstance(value, int) and not isinstance(value, bool) and value % ctx.size == 0:
                 setattr(module, attribute, value // ctx.size)
-        if any(re.fullmatch(_glob_regex(owner), name) for owner in fused):
+        if any(glob_pattern(owner).match(name) for owner in fused):
             local_key_value_counts(module, ctx.size)
-
-
-def _glob_regex(glob: str) -> str:
-    return re.escape(glob).replace(r"\*", r"[^.]+")
 
 
 def _as_globs(plan: Dict[str, str], stack: str, num_layers: int) -> Dict[str, str]:

@@ -13,8 +13,9 @@ and, for sequence parallelism, ``apply_sequence_parallel`` on the model's stack 
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Set
 
+import torch
 from torch import nn
 
 from torchpp import ops
@@ -105,6 +106,36 @@ def _runs_on_slices(module: nn.Module) -> bool:
     return any(word in name for word in NORM_WORDS) or isinstance(module, (nn.LayerNorm, nn.Dropout, nn.Identity))
 
 
+def _stream_args_hook(gather: Callable[[torch.Tensor], torch.Tensor], from_outside: Set[int]):
+    """A forward pre-hook gathering a child's hidden states (its first argument, or the keyword
+    ``hidden_states``) and every other argument shaped like them: a slice of the residual stream
+    that the child adds inside itself (BLOOM's and MPT's attention and MLP take ``residual``).
+    Tensors the layer itself was given besides its hidden states (``from_outside``: an encoder's
+    states, say) are never slices, whatever their shape."""
+
+    def hook(module, args, kwargs):
+        first = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(first, torch.Tensor):
+            return None
+        on_stream = lambda x: (x is first or isinstance(x, torch.Tensor) and x.shape == first.shape  # noqa: E731
+                               and id(x) not in from_outside)
+        return (tuple(gather(a) if on_stream(a) else a for a in args),
+                {k: gather(v) if on_stream(v) else v for k, v in kwargs.items()})
+
+    return hook
+
+
+def _record_outside_inputs(from_outside: Set[int]):
+    """A layer's forward pre-hook: the ids of the tensors it is given besides its hidden states."""
+
+    def hook(module, args, kwargs):
+        from_outside.clear()
+        given = list(args[1:]) + [v for k, v in kwargs.items() if not (k == "hidden_states" and not args)]
+        from_outside.update(id(t) for t in given if isinstance(t, torch.Tensor))
+
+    return hook
+
+
 def apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, *, layers: Optional[List[int]] = None,
                             first: bool = True, last: bool = True, sequence_dim: int = 1) -> List[str]:
     """Megatron-3's sequence parallelism on a stack of layers, by hooks.
@@ -136,6 +167,8 @@ def apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, *, layers: Opt
     on_slices: List[str] = []
     for index in layers:
         layer = stack[index]
+        from_outside: Set[int] = set()
+        ctx.hooks.append(layer.register_forward_pre_hook(_record_outside_inputs(from_outside), with_kwargs=True))
         for param in layer.parameters(recurse=False):
             sum_grads_over_tp(param, ctx)
         for child_name, child in layer.named_children():
@@ -144,7 +177,7 @@ def apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, *, layers: Opt
                     sum_grads_over_tp(param, ctx)
                 on_slices.append(f"{index}.{child_name}")
             else:
-                ctx.hooks.append(child.register_forward_pre_hook(_first_arg_hook(gather), with_kwargs=True))
+                ctx.hooks.append(child.register_forward_pre_hook(_stream_args_hook(gather, from_outside), with_kwargs=True))
                 ctx.hooks.append(child.register_forward_hook(_map_first_output(scatter)))
     if first:
         ctx.hooks.append(stack[0].register_forward_pre_hook(_first_arg_hook(scatter), with_kwargs=True))

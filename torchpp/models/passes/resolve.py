@@ -119,8 +119,12 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
     elif plan is not None:
         state.tp_plan, state.layout = user_plans(model, plan)
         state.strict = True
-        if state.layout is None and state.hf:
-            state.layout = hf_layout(model)
+        if state.hf:  # transformers' attention counts every head (BLOOM's num_heads): as under "auto"
+            from torchpp.models.auto_plan import divide_head_attributes
+
+            state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
+            if state.layout is None:
+                state.layout = hf_layout(model)
     elif state.hf:
         state.tp_plan, state.fixups = hf_tp_plan(model, state.parallel.tp)
         state.layout = hf_layout(model)
