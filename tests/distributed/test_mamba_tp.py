@@ -3,8 +3,9 @@ channels split as Megatron splits them. Mamba: x_proj's row split summed forward
 per-channel scan reads dt, B and C back, its output gradient summed too (``rowwise_copy_output``);
 the depthwise conv on this rank's channels (``conv_channels``). Mamba 2: in_proj's five fused blocks
 and the conv's three split block by block, whole groups of heads per rank. Mamba, Falcon-Mamba and
-Mamba 2 at tp=2 (and Nemotron-H's Mamba 2 mixers under plan="auto"), Mamba and Mamba 2 at tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in
-float64 against the unwrapped model: loss, logits, every gradient, one SGD step
+Mamba 2 at tp=2 (and, under plan="auto", Nemotron-H's Mamba 2 mixers and Jamba's Mamba 1 mixers,
+whose norms on dt, B and C take their gradients summed over TP), Mamba, Mamba 2 and Jamba at
+tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in float64 against the unwrapped model: loss, logits, every gradient, one SGD step
 (torchpp.testing.model_checks)."""
 import pytest
 import torch
@@ -20,7 +21,7 @@ TIMEOUT_S = 240
 
 def _tp_checks():
     return [check_tp("mamba"), check_tp("falcon_mamba", plan="auto"), check_tp("mamba2", plan="auto"),
-            check_tp("nemotron_h", plan="auto")]
+            check_tp("nemotron_h", plan="auto"), check_tp("jamba", plan="auto")]
 
 
 def test_mamba_mixers_split_by_channels(ranks):
@@ -33,10 +34,13 @@ def test_mamba_mixers_split_by_channels(ranks):
         assert "34 sharded" in details[2] and details[2].endswith("Mamba2Block 2/2"), details
         # Nemotron-H under plan="auto": its Mamba 2 mixer layer splits too (it stayed whole: 0-4/4 before)
         assert details[3].endswith("NemotronHBlock 2-4/4"), details
+        # Jamba under plan="auto": its Mamba 1 mixers split too (0-3/7 before; 4 of 7 where the MLP's experts stay whole)
+        assert details[4].endswith("JambaMambaDecoderLayer 4-7/7"), details
 
 
 def _tp_and_pp():
-    return [check_pp(model_type, tp=2, schedule="zb-h1", n_microbatches=4) for model_type in ("mamba", "mamba2")]
+    return [check_pp(model_type, tp=2, schedule="zb-h1", n_microbatches=4) for model_type in ("mamba", "mamba2")] + [
+        check_pp("jamba", tp=2, schedule="zb-h1", n_microbatches=4, plan="auto")]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
@@ -45,12 +49,16 @@ def test_mamba_under_tp_and_pp(ranks):
         assert all("grads on this rank" in d for d in details), details
 
 
-def test_auto_finds_mamba2_mixers_of_hybrid_families():
-    from torchpp.models.mamba_plans import mamba2_mixers
+def test_auto_finds_mamba_mixers_of_hybrid_families():
+    from torchpp.models.mamba_plans import mamba_mixers
 
-    plan, whole = mamba2_mixers(tiny_model("nemotron_h"), "model.layers", 2)  # n_groups=2
+    plan, whole = mamba_mixers(tiny_model("jamba"), "model.layers", 2)  # Mamba 1, norms on dt, B and C
+    assert plan["model.layers.0.mamba.x_proj"] == "rowwise_copy_output" and not whole
+    assert {plan[f"model.layers.0.mamba.{norm}_layernorm"] for norm in ("dt", "b", "c")} == {"replicated_with_grad_allreduce"}
+
+    plan, whole = mamba_mixers(tiny_model("nemotron_h"), "model.layers", 2)  # n_groups=2
     assert plan["model.layers.0.mixer.in_proj"] == "packed_colwise(128,128,32,32,4)" and not whole
-    plan, whole = mamba2_mixers(tiny_model("bamba"), "model.layers", 2)  # n_groups=1: stays whole, says why
+    plan, whole = mamba_mixers(tiny_model("bamba"), "model.layers", 2)  # n_groups=1: stays whole, says why
     assert not plan and "tp=2 does not divide its n_groups=1" in whole["model.layers.0.mamba.out_proj"]
 
 

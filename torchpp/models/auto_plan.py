@@ -134,10 +134,10 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
         groups, failing = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
         whole.update(failing)
     mixers: Dict[str, str] = {}
-    if ctx is not None or tp > 1:  # Mamba 2 mixers: Megatron's split, beyond the rule (models.mamba_plans)
-        from torchpp.models.mamba_plans import mamba2_mixers
+    if ctx is not None or tp > 1:  # Mamba mixers: Megatron's split, beyond the rule (models.mamba_plans)
+        from torchpp.models.mamba_plans import mamba_mixers
 
-        mixers, mixers_whole = mamba2_mixers(model, stack, ctx.size if ctx is not None else tp)
+        mixers, mixers_whole = mamba_mixers(model, stack, ctx.size if ctx is not None else tp)
         owners = {name.rpartition(".")[0] + "." for name in list(mixers) + list(mixers_whole)}
         groups = [[{n: s for n, s in group.items() if not n.startswith(tuple(owners))} for group in layer_groups]
                   for layer_groups in groups]
@@ -206,9 +206,9 @@ def split_counts(model: nn.Module, stack: str, is_split) -> str:
 
 
 def _planned(name: str, plan: Dict[str, str]) -> bool:
-    """Whether a plan of globs splits the module ``name``."""
-    return any(style != "replicated_with_grad_allreduce" and glob_pattern(glob).match(name)
-               for glob, style in plan.items())
+    """Whether a plan of globs splits the module ``name`` (or its weight: Mamba's dt_proj)."""
+    return any(style != "replicated_with_grad_allreduce" and (glob_pattern(glob).match(name) or glob_pattern(
+        glob.rpartition(".")[0]).match(name) and glob.endswith(".weight")) for glob, style in plan.items())
 
 
 def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContext, done=()) -> None:

@@ -25,16 +25,23 @@ from torch import nn
 from torchpp.tensor_parallel.plan import glob_pattern
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
 
+def mamba_mixer_plan(path: str, mixer: Optional[nn.Module] = None) -> Dict[str, str]:
+    """The plan entries of the Mamba 1 mixer at ``path`` (a name or a glob). A ``mixer`` given
+    may hold norms on x_proj's (summed, whole) output, Jamba's on dt, B and C: each rank's
+    channels read them, so their gradients are summed over TP."""
+    plan = {f"{path}.in_proj": "packed_colwise", f"{path}.conv1d": "conv_channels",
+            f"{path}.x_proj": "rowwise_copy_output", f"{path}.out_proj": "rowwise"}
+    plan.update({f"{path}.{name}": "colwise" for name in ("dt_proj.weight", "dt_proj.bias", "A_log", "D")})
+    for name, child in (mixer.named_children() if mixer is not None else ()):
+        if name not in MAMBA_MODULES and any(True for _ in child.parameters()):
+            plan[f"{path}.{name}"] = "replicated_with_grad_allreduce"
+    return plan
+
+
+MAMBA_MODULES = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj")
 MAMBA_PLAN = {
     "backbone.embeddings": "embedding_rowwise",
-    "backbone.layers.*.mixer.in_proj": "packed_colwise",
-    "backbone.layers.*.mixer.conv1d": "conv_channels",
-    "backbone.layers.*.mixer.x_proj": "rowwise_copy_output",
-    "backbone.layers.*.mixer.dt_proj.weight": "colwise",
-    "backbone.layers.*.mixer.dt_proj.bias": "colwise",
-    "backbone.layers.*.mixer.A_log": "colwise",
-    "backbone.layers.*.mixer.D": "colwise",
-    "backbone.layers.*.mixer.out_proj": "rowwise",
+    **mamba_mixer_plan("backbone.layers.*.mixer"),
     "lm_head": "colwise_gather_output",
 }
 # The mixers' fused training kernels (transformers' names for them in the mixer's module).
@@ -78,6 +85,27 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
             and all(isinstance(getattr(module, name, None), nn.Parameter) for name in ("A_log", "D", "dt_bias"))
             and conv == inner + 2 * groups * state == conv1d.out_channels == conv1d.groups
             and in_proj.out_features == inner + conv + heads)
+
+
+def is_mamba_mixer(module: nn.Module) -> bool:
+    """A Mamba 1 mixer as transformers writes it (Mamba's, Falcon-Mamba's, Jamba's): in_proj's
+    output [x; z], a depthwise conv over x, x_proj to (dt, B, C), dt_proj back to the channels,
+    per-channel A_log and D, out_proj."""
+    in_proj, conv1d, x_proj, dt_proj, out_proj = (getattr(module, name, None) for name in MAMBA_MODULES)
+    a_log, d = getattr(module, "A_log", None), getattr(module, "D", None)
+    if not (all(isinstance(m, nn.Linear) for m in (in_proj, x_proj, dt_proj, out_proj)) and isinstance(conv1d, nn.Conv1d)
+            and isinstance(a_log, nn.Parameter) and isinstance(d, nn.Parameter)):
+        return False
+    inner = conv1d.out_channels
+    return (conv1d.groups == inner and in_proj.out_features == 2 * inner and x_proj.in_features == inner
+            and dt_proj.out_features == inner and out_proj.in_features == inner
+            and a_log.dim() == 2 and a_log.shape[0] == inner and tuple(d.shape) == (inner,))
+
+
+def why_mamba_stays_whole(mixer: nn.Module, tp: int) -> str:
+    """Why a Mamba 1 mixer cannot split its channels over tp ranks ("" where it can)."""
+    inner = mixer.conv1d.out_channels
+    return f"tp={tp} does not divide its {inner} channels" if inner % tp else ""
 
 
 def why_mamba2_stays_whole(mixer: nn.Module, tp: int) -> str:
@@ -136,18 +164,22 @@ def _is_kernel(fused) -> bool:
         return True
 
 
-def mamba2_mixers(model: nn.Module, stack: str, tp: int) -> Tuple[Dict[str, str], Dict[str, str]]:
-    """(plan entries, {mixer: why it stays whole}) of the Mamba 2 mixers in ``stack``'s layers
-    (plan="auto": the TP rule cannot split them, their in_proj being cut by hard-coded sizes)."""
+def mamba_mixers(model: nn.Module, stack: str, tp: int) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """(plan entries, {mixer: why it stays whole}) of the Mamba 1 and Mamba 2 mixers in ``stack``'s
+    layers (plan="auto": the TP rule cannot split them, their in_proj being cut by hard-coded sizes
+    or their x_proj reading every rank's channels)."""
     plan, whole = {}, {}
     for name, module in model.get_submodule(stack).named_modules(prefix=stack):
-        if is_mamba2_mixer(module):
-            why = why_mamba2_stays_whole(module, tp)
-            if why:
-                whole[f"{name}.out_proj"] = why
-            else:
-                refuse_fused_kernel(model, None, module)
-                plan.update(mamba2_mixer_plan(name, module))
+        kind = ((why_mamba2_stays_whole, mamba2_mixer_plan) if is_mamba2_mixer(module) else
+                (why_mamba_stays_whole, mamba_mixer_plan) if is_mamba_mixer(module) else None)
+        if kind is None:
+            continue
+        why = kind[0](module, tp)
+        if why:
+            whole[f"{name}.out_proj"] = why
+        else:
+            refuse_fused_kernel(model, None, module)
+            plan.update(kind[1](name, module))
     return plan, whole
 
 
