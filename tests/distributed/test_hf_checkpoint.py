@@ -164,7 +164,8 @@ def test_clear_errors(ranks, tmp_path):
 DCP_KINDS = (("phi3", 2), ("gpt2", 2), ("qwen2", 1))
 
 
-def _dcp_steps(kind, kv_heads, tp, root, save_after=None, load=False, dtype=torch.float64, restore=True, zero=0):
+def _dcp_steps(kind, kv_heads, tp, root, save_after=None, load=False, dtype=torch.float64, restore=True, zero=0,
+               plan=None):
     """Two AdamW steps of `kind` at this tp (dp = world / tp, ZeRO stage `zero`) on the same
     batches, on the group's device in `dtype`; saves after the first when `save_after`, or loads
     before the second when `load` (skipping the first; `restore=False` skips the load too: a
@@ -174,7 +175,11 @@ def _dcp_steps(kind, kv_heads, tp, root, save_after=None, load=False, dtype=torc
 
     state = torchpp.init_parallel(tp=tp, pp=1)
     torch.manual_seed(0 if not load else 1)  # the loading run starts from other weights
-    model = parallelize(tiny_model(kind, kv_heads=kv_heads).to(dtype), state=state)
+    from torchpp.testing import tiny_models
+
+    # (kv_heads None: a family hf_reference does not build, from torchpp's tiny models)
+    hf = tiny_models.tiny_model(kind) if kv_heads is None else tiny_model(kind, kv_heads=kv_heads)
+    model = parallelize(hf.to(dtype), state=state, plan=plan)
     optimizer = DistributedOptimizer(model, torch.optim.AdamW, state, zero=zero, lr=1e-2)
     ids, labels, _, _ = inputs_of("plain", model.config.vocab_size)
     ids, labels = ids.to(state.device), labels.to(state.device)
@@ -203,19 +208,25 @@ def test_dcp_checkpoint_of_fused_padded_and_copied_shards_reloads_at_another_tp(
         assert abs(loaded[0] - saved[0]) <= 1e-9 * abs(saved[0]), (kind, saved, loaded)
 
 
+# Bamba's Mamba 2 mixer under plan="auto": one group of B and C copied on both TP ranks.
+ZERO_KINDS = DCP_KINDS + (("bamba", None, "auto"),)
+
+
 def _dcp_steps_of_every_kind(tp, root, zero, **how):
-    return [_dcp_steps(kind, kv_heads, tp, os.path.join(root, kind), zero=zero, **how) for kind, kv_heads in DCP_KINDS]
+    return [_dcp_steps(kind, kinds[0], tp, os.path.join(root, kind), zero=zero, plan=(kinds[1:] or [None])[0], **how)
+            for kind, *kinds in ZERO_KINDS]
 
 
 def test_zero_sharded_state_of_fused_padded_and_copied_shards_reloads_at_another_layout(ranks, tmp_path):
     # Under ZeRO a rank holds a flat segment of its TP shard's AdamW moments, scattered over the
-    # full tensor these layouts save: saved at tp=2 x dp=2 under ZeRO-1, loaded under ZeRO-3 at
-    # the same layout (segments cut from the full tensor) and at tp=1 x dp=4 without ZeRO.
+    # full tensor these layouts save (and Bamba's copied B and C rows): saved at tp=2 x dp=2 under
+    # ZeRO-1, loaded under ZeRO-3 at the same layout (segments cut from the full tensor) and at
+    # tp=1 x dp=4 without ZeRO.
     root = str(tmp_path)
     saved = ranks(4).run(_dcp_steps_of_every_kind, 2, root, 1, save_after=True, timeout=TIMEOUT_S)[0]
     for tp, zero in ((2, 3), (1, 0)):
         loaded = ranks(4).run(_dcp_steps_of_every_kind, tp, root, zero, load=True, timeout=TIMEOUT_S)[0]
-        for (kind, _), before, after in zip(DCP_KINDS, saved, loaded):
+        for (kind, *_), before, after in zip(ZERO_KINDS, saved, loaded):
             assert abs(after - before) <= 1e-9 * abs(before), (kind, tp, zero, before, after)
     control = ranks(4).run(_dcp_steps_of_every_kind, 2, root, 3, load=True, restore=False, timeout=TIMEOUT_S)[0]
     assert all(abs(c - s) > 1e-6 * abs(s) for c, s in zip(control, saved)), (control, saved)  # the load matters

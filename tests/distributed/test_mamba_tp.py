@@ -3,9 +3,13 @@ channels split as Megatron splits them. Mamba: x_proj's row split summed forward
 per-channel scan reads dt, B and C back, its output gradient summed too (``rowwise_copy_output``);
 the depthwise conv on this rank's channels (``conv_channels``). Mamba 2: in_proj's five fused blocks
 and the conv's three split block by block, whole groups of heads per rank. Mamba, Falcon-Mamba and
-Mamba 2 at tp=2 (and, under plan="auto", Nemotron-H's Mamba 2 mixers and Jamba's Mamba 1 mixers,
-whose norms on dt, B and C take their gradients summed over TP), Mamba, Mamba 2 and Jamba at
-tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in float64 against the unwrapped model: loss, logits, every gradient, one SGD step
+Mamba 2 at tp=2 (and, under plan="auto", the Mamba 2 mixers of Nemotron-H, Bamba, Granite hybrid
+and Zamba 2, and Jamba's Mamba 1 mixers, whose norms on dt, B and C take their gradients summed
+over TP). Fewer groups of heads than ranks (n_groups=1 in Bamba, Granite and Zamba 2; Mamba 2 with
+1 or 2 groups at tp=4): each rank holds its heads' group of B and C, copied, their gradient rows
+summed over the copies, and the gated norm's statistics summed over the ranks sharing a group.
+Mamba, Mamba 2, Jamba and Bamba at tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in
+float64 against the unwrapped model: loss, logits, every gradient, one SGD step
 (torchpp.testing.model_checks)."""
 import pytest
 import torch
@@ -21,7 +25,8 @@ TIMEOUT_S = 240
 
 def _tp_checks():
     return [check_tp("mamba"), check_tp("falcon_mamba", plan="auto"), check_tp("mamba2", plan="auto"),
-            check_tp("nemotron_h", plan="auto"), check_tp("jamba", plan="auto")]
+            check_tp("nemotron_h", plan="auto"), check_tp("jamba", plan="auto"), check_tp("bamba", plan="auto"),
+            check_tp("granitemoehybrid", plan="auto"), check_tp("zamba2", plan="auto")]
 
 
 def test_mamba_mixers_split_by_channels(ranks):
@@ -36,11 +41,24 @@ def test_mamba_mixers_split_by_channels(ranks):
         assert details[3].endswith("NemotronHBlock 2-4/4"), details
         # Jamba under plan="auto": its Mamba 1 mixers split too (0-3/7 before; 4 of 7 where the MLP's experts stay whole)
         assert details[4].endswith("JambaMambaDecoderLayer 4-7/7"), details
+        # One group of heads over 2 ranks: the mixers split too (they stayed whole: 3/5, 2/4, 0/2 before)
+        assert details[5].endswith("BambaDecoderLayer 5/5"), details
+        assert details[6].endswith("GraniteMoeHybridDecoderLayer 4/4"), details
+        assert details[7].endswith("Zamba2MambaDecoderLayer 2/2, Zamba2HybridLayer 2/11"), details
+
+
+def _fewer_groups_than_ranks():
+    return [check_tp("mamba2", tp=4, n_groups=groups) for groups in (1, 2)]
+
+
+def test_mamba2_groups_copied_over_four_ranks(ranks):
+    for details in ranks(4).run(_fewer_groups_than_ranks, timeout=TIMEOUT_S):
+        assert all("34 sharded" in d for d in details), details
 
 
 def _tp_and_pp():
     return [check_pp(model_type, tp=2, schedule="zb-h1", n_microbatches=4) for model_type in ("mamba", "mamba2")] + [
-        check_pp("jamba", tp=2, schedule="zb-h1", n_microbatches=4, plan="auto")]
+        check_pp(model_type, tp=2, schedule="zb-h1", n_microbatches=4, plan="auto") for model_type in ("jamba", "bamba")]
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
@@ -57,14 +75,17 @@ def test_auto_finds_mamba_mixers_of_hybrid_families():
     assert {plan[f"model.layers.0.mamba.{norm}_layernorm"] for norm in ("dt", "b", "c")} == {"replicated_with_grad_allreduce"}
 
     plan, whole = mamba_mixers(tiny_model("nemotron_h"), "model.layers", 2)  # n_groups=2
-    assert plan["model.layers.0.mixer.in_proj"] == "packed_colwise(128,128,32,32,4)" and not whole
-    plan, whole = mamba_mixers(tiny_model("bamba"), "model.layers", 2)  # n_groups=1: stays whole, says why
-    assert not plan and "tp=2 does not divide its n_groups=1" in whole["model.layers.0.mamba.out_proj"]
+    assert plan["model.layers.0.mixer.in_proj"] == "packed_colwise(128,128,32@2,32@2,4)" and not whole
+    plan, whole = mamba_mixers(tiny_model("bamba"), "model.layers", 2)  # n_groups=1: B and C copied
+    assert plan["model.layers.0.mamba.in_proj"] == "packed_colwise(128,128,16@1,16@1,4)" and not whole
+    assert plan["model.layers.0.mamba.norm"] == "gated_group_rmsnorm"
+    plan, whole = mamba_mixers(tiny_model("bamba"), "model.layers", 3)  # 4 heads: stays whole, says why
+    assert not plan and "tp=3 does not divide its num_heads=4" in whole["model.layers.0.mamba.out_proj"]
 
 
-def test_mamba2_needs_whole_groups_per_rank():
-    with pytest.raises(PlanError, match=r"Mamba2Mixer cannot split: tp=2 does not divide its n_groups=1"):
-        mamba2_plan(tiny_model("mamba2", n_groups=1), 2)
+def test_mamba2_needs_whole_groups_of_heads_per_rank():
+    with pytest.raises(PlanError, match=r"Mamba2Mixer cannot split: tp=3 neither divides its n_groups=2 nor"):
+        mamba2_plan(tiny_model("mamba2", n_groups=2, num_heads=6, head_dim=32, expand=3), 3)
 
 
 def test_a_fused_mamba_kernel_is_refused(monkeypatch):

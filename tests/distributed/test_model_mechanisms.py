@@ -35,9 +35,8 @@ Tensor parallelism (tp=2):
 - per-head quantities of split attention (Doge's dynamic mask);
 - modules transformers keeps in float32, and float32 softmax as a tensor method, inside a
   float64 comparison (Bailing hybrid, DeepSeek-OCR 2);
-- plan="auto": groups whose split would fail or change the result stay whole (Falcon-H1's mamba
-  mixer), so do groups with a linear the rule cannot decide while the rest splits (Jamba's mamba mixer
-  whole, its MLP split), fused parts a view cuts split part by part (Moshi's fc1), traced forwards leave no
+- plan="auto": groups whose split would fail or change the result stay whole while the rest
+  splits (Falcon-H1's mamba mixer whole, its attention and MLP split), fused parts a view cuts split part by part (Moshi's fc1), traced forwards leave no
   autograd history on modules (RecurrentGemma's recurrent state); a router sampling in training
   (PhiMoE) draws the same in the wrapped model as in the reference; a linear class writing nn.Linear's
   math out in its own forward (Falcon's FalconLinear) splits like nn.Linear.
@@ -99,15 +98,15 @@ def test_flagship(ranks, model_type):
 
 
 def _partly_split():
-    return check_tp("jamba", plan="auto")
+    return check_tp("falcon_h1", plan="auto")
 
 
 def test_auto_plan_splits_around_what_it_keeps_whole(ranks):
-    # Jamba's mamba mixer (in_proj -> conv -> x_proj -> dt_proj -> out_proj) stays whole; the dense
-    # MLP of the same layers splits (3 of 7 linears: weights smaller than the unwrapped model's),
-    # the MoE layers' router stays whole; loss, logits, every gradient and one SGD step still match.
+    # Falcon-H1's Mamba 2 mixer (in_proj's output scaled per channel, which the split trial finds)
+    # stays whole; the attention and MLP of the same layers split (7 of 9 linears: weights smaller
+    # than the unwrapped model's); loss, logits, every gradient and one SGD step still match.
     details = ranks(2).run(_partly_split, timeout=TIMEOUT_S)
-    assert all(d.endswith("linears split per layer: JambaMambaDecoderLayer 0-3/7") for d in details), details
+    assert all(d.endswith("linears split per layer: FalconH1DecoderLayer 7/9") for d in details), details
 
 
 def _sum_different_parameters():

@@ -178,9 +178,9 @@ def test_auto_plan_that_splits_nothing_says_why():
     with pytest.raises(PlanError, match=r"nothing in layers splits: layers\.0\.b stays whole: sits between "
                                         r"linears: reads a's output"):
         auto_plans(_ToyModel(mixer_only=True))
-    with pytest.raises(PlanError, match=r"nothing in backbone\.layers splits over tp=2: "
-                                        r"backbone\.layers\.0\.mixer\.out_proj stays whole"):
-        auto_plans(tiny_model("mamba"), tp=2)  # a state-space mixer: in_proj -> conv -> x_proj -> out_proj
+    with pytest.raises(PlanError, match=r"nothing in model\.layers splits over tp=2: model\.layers\.0\.mlp\.router"
+                                        r"\.layer stays whole: writes back into the residual stream itself"):
+        auto_plans(tiny_model("jetmoe"), tp=2)  # experts as raw parameters; the router, the only linear
 
 
 def test_auto_plan_refuses_layers_run_without_autograd():
@@ -214,7 +214,7 @@ def test_loss_convention_is_read_from_the_model():
 def test_auto_plan_keeps_whole_the_groups_a_split_would_break():
     # LFM3's short convolution mixes in_proj's output with a depthwise conv over its whole width:
     # split over tp=2 it fails, so the mixer stays whole while its MLP still splits
-    # (torchpp.models.auto_check; Bamba's mamba mixer, cutting by hard-coded sizes, likewise).
+    # (torchpp.models.auto_check; Falcon-H1's mamba mixer, scaling in_proj's output per channel, likewise).
     plan, _ = auto_plans(tiny_model("lfm3"), tp=2)
     assert not any(".conv." in name for name in plan), plan
     assert plan["model.layers.*.feed_forward.w2"] == "rowwise"

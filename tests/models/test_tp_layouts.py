@@ -1,7 +1,8 @@
 """TP layouts (torchpp.tensor_parallel.layouts): each rank's shard cut from the full tensor, and
 the full tensor rebuilt from every rank's shard, exactly; a fused q/k/v projection's shards hold
 each rank's query heads and the key/value heads they read (copies where the ranks outnumber
-them), and the gradient norm counts a copied row on one rank only."""
+them), fused blocks in groups (Mamba 2's B and C) hold each rank's group, copied likewise, and the
+gradient norm counts a copied row on one rank only."""
 import pytest
 import torch
 
@@ -17,7 +18,9 @@ def _round_trip(layout, full, size):
 
 
 @pytest.mark.parametrize("layout, rows", [(Split(0, 12), 12), (Split(0, 9, pad=True), 9),
-                                          (Packed(0, [4, 8]), 12), (HeadCopies(0, 3, 2), 6)])
+                                          (Packed(0, [4, 8]), 12), (HeadCopies(0, 3, 2), 6),
+                                          (Packed(0, [8, 2, 2, 4], [0, 1, 1, 0]), 16),
+                                          (Packed(0, [8, 4, 4, 4], [0, 2, 2, 0]), 20)])
 def test_layouts_round_trip(layout, rows):
     _round_trip(layout, torch.randn(rows, 5, dtype=torch.float64), 4 if isinstance(layout, HeadCopies) else 2)
 
@@ -82,3 +85,16 @@ def test_norm_counts_copied_rows_once_also_in_a_zero_segment():
     param.zero_param_lo = 10  # a ZeRO segment: flat elements 10..19 of the parameter
     segment = grad.flatten()[10:20]
     assert local_squared_norm([(segment, param)], tp_rank=1).item() == grad.flatten()[10:16].pow(2).sum().item()
+
+
+def test_packed_groups_give_each_rank_its_group_copied_where_ranks_outnumber_them():
+    # [x: 8 | B: 2 groups of 2 | C: 2 groups of 2 | dt: 4] over 4 ranks: ranks 0, 1 hold group 0 of B and C
+    full = torch.arange(20)
+    layout = Packed(0, [8, 4, 4, 4], [0, 2, 2, 0])
+    shards = [layout.shard(full, rank, 4).tolist() for rank in range(4)]
+    assert shards[0] == [0, 1, 8, 9, 12, 13, 16] and shards[1] == [2, 3, 8, 9, 12, 13, 17]
+    assert shards[3] == [6, 7, 10, 11, 14, 15, 19]
+    assert layout.copied_rows(4) == (2, 6, 2) and layout.copied_rows(2) is None  # over 2 ranks: plain split
+    assert [layout.uncounted(rank, 4) for rank in range(4)] == [range(0), range(2, 6), range(0), range(2, 6)]
+    with pytest.raises(ValueError, match="a fused block of 4 in 2 groups does not split over the tensor-parallel size 3"):
+        Packed(0, [6, 4], [0, 2]).shard(torch.zeros(10), 0, 3)

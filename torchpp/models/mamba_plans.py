@@ -8,8 +8,13 @@ carry none), Megatron's channel split:
   weight is read directly, not called.
 - Mamba 2: ``in_proj``'s five blocks [z; x; B; C; dt] each by columns, the conv's [x; B; C]
   channels likewise, heads (``A_log``, ``D``, ``dt_bias``) and the gated norm's channels split:
-  each rank holds whole groups of heads (``n_groups`` divisible by tp), and the norm is over each
-  group, so nothing crosses ranks until ``out_proj``'s row split.
+  where tp divides ``n_groups`` each rank holds whole groups of heads, and the norm is over each
+  group, so nothing crosses ranks until ``out_proj``'s row split. Where the ranks outnumber the
+  groups, each rank holds its heads' group of B and C, copied (``b@g`` block sizes; their
+  gradient rows summed over the copies), and the norm sums its group's squares over the ranks
+  sharing it (``gated_group_rmsnorm``).
+- Jamba's Mamba 1 mixers: as Mamba's; its norms on dt, B and C read x_proj's summed output and
+  feed this rank's channels, so their gradients are summed over TP.
 
 transformers runs mamba-ssm's fused training kernels where they are installed: they read the
 weights past the TP forwards, so the wrap is refused there.
@@ -46,8 +51,6 @@ MAMBA_PLAN = {
 }
 # The mixers' fused training kernels (transformers' names for them in the mixer's module).
 FUSED_KERNELS = ("mamba_inner_fn", "mamba2_split_conv1d_scan_combined")
-# Mamba 2's mixer counts what it splits in attributes: this rank's after the split.
-MAMBA2_COUNTS = ("intermediate_size", "conv_dim", "n_groups", "num_heads")
 
 
 def mamba_plan(model: nn.Module, tp: int) -> Tuple[Dict[str, str], Callable[[nn.Module, TPContext], None]]:
@@ -110,35 +113,46 @@ def why_mamba_stays_whole(mixer: nn.Module, tp: int) -> str:
 
 def why_mamba2_stays_whole(mixer: nn.Module, tp: int) -> str:
     """Why a Mamba 2 mixer cannot split over tp ranks ("" where it can)."""
-    if mixer.n_groups % tp:
-        return (f"tp={tp} does not divide its n_groups={mixer.n_groups} (each rank holds whole groups of heads, "
-                f"as Megatron's Mamba 2 split does)")
+    groups, heads = mixer.n_groups, mixer.num_heads
+    if heads % tp or heads % groups:
+        return f"tp={tp} does not divide its num_heads={heads} into whole groups of heads per rank"
+    if groups % tp and tp % groups:
+        return f"tp={tp} neither divides its n_groups={groups} nor is a multiple of it"
+    if groups < tp and not isinstance(getattr(getattr(mixer, "norm", None), "group_size", None), int):
+        return f"its norm is not a gated norm over groups of channels, which tp={tp} > n_groups={groups} would split"
     return ""
 
 
 def mamba2_mixer_plan(path: str, mixer: nn.Module) -> Dict[str, str]:
-    """The plan entries of the Mamba 2 mixer at ``path`` (a name or a glob)."""
+    """The plan entries of the Mamba 2 mixer at ``path`` (a name or a glob). B and C hold one
+    block per group of heads (``@groups``): where the ranks outnumber the groups, each rank holds
+    its heads' group, copied over the ranks sharing it, as vLLM does (Megatron asks tp to divide
+    n_groups); the gated norm's statistics then sum over those ranks."""
     inner, groups = mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size
-    plan = {f"{path}.in_proj": f"packed_colwise({inner},{inner},{groups},{groups},{mixer.num_heads})",
-            f"{path}.conv1d": f"conv_channels({inner},{groups},{groups})",
+    bc = f"{groups}@{mixer.n_groups}"
+    plan = {f"{path}.in_proj": f"packed_colwise({inner},{inner},{bc},{bc},{mixer.num_heads})",
+            f"{path}.conv1d": f"conv_channels({inner},{bc},{bc})",
             f"{path}.out_proj": "rowwise"}
     plan.update({f"{path}.{name}": "colwise" for name in ("A_log", "D", "dt_bias")})
     norm = getattr(getattr(mixer, "norm", None), "weight", None)
-    if isinstance(norm, nn.Parameter) and norm.shape == (inner,):  # over each group: this rank's groups
-        plan[f"{path}.norm.weight"] = "colwise"
+    if isinstance(norm, nn.Parameter) and norm.shape == (inner,):
+        plan[f"{path}.norm"] = "gated_group_rmsnorm"
     return plan
 
 
 def divide_mixer_counts(model: nn.Module, plan: Dict[str, str], ctx: TPContext) -> Set[str]:
-    """Gives the Mamba 2 mixers whose in_proj the plan splits this rank's counts (``MAMBA2_COUNTS``);
+    """Gives the Mamba 2 mixers whose in_proj the plan splits this rank's counts, which they keep
+    in attributes (heads, channels, and groups: one copied group where the ranks outnumber them);
     returns their names."""
     done: Set[str] = set()
     split = [glob_pattern(name.rpartition(".")[0]) for name, style in plan.items()
              if name.endswith(".in_proj") and style.startswith("packed_colwise(")]
     for name, module in model.named_modules():
         if any(pattern.fullmatch(name) for pattern in split):  # (sharded already: its shapes are this rank's)
-            for attribute in MAMBA2_COUNTS:
-                setattr(module, attribute, getattr(module, attribute) // ctx.size)
+            module.intermediate_size //= ctx.size
+            module.num_heads //= ctx.size
+            module.n_groups = max(module.n_groups // ctx.size, 1)
+            module.conv_dim = module.intermediate_size + 2 * module.n_groups * module.ssm_state_size
             done.add(name)
     return done
 

@@ -8,7 +8,7 @@ comparing with the unwrapped model). One Layout class per way of cutting, compos
 from __future__ import annotations
 
 import abc
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,37 +75,72 @@ class Split(Layout):
         return f"Split(dim={self.dim}, full_size={self.full_size}{', pad' if self.pad else ''})"
 
 
-def _regroup(t: torch.Tensor, sizes: Sequence[int], size: int, dim: int) -> torch.Tensor:
-    # [a; b; ...] -> [a_0 b_0 ...; a_1 b_1 ...; ...]: rank r's piece along dim holds its slice of each block.
-    parts = [block.chunk(size, dim) for block in t.split(list(sizes), dim)]
-    return torch.cat([chunks[rank] for rank in range(size) for chunks in parts], dim)
-
-
 class Packed(Layout):
     """A fused tensor of blocks along ``dim`` ([gate; up], [q; k; v]) split block by block: TP
     rank r holds its slice of every block, in block order, so the module's own ``chunk`` /
-    ``split`` of its output works on each rank's slice."""
+    ``split`` of its output works on each rank's slice.
 
-    def __init__(self, dim: int, blocks: Sequence[int]):
+    ``groups[i]`` > 0 says block i is that many equal groups (Mamba 2's B and C, one per group of
+    heads): where the ranks outnumber them, each rank holds its group whole, copied onto
+    ``size // groups[i]`` consecutive ranks (as key/value heads are); one copy makes the full tensor.
+    """
+
+    def __init__(self, dim: int, blocks: Sequence[int], groups: Optional[Sequence[int]] = None):
         self.dim, self.blocks = dim, list(blocks)
+        self.groups = list(groups) if groups is not None else [0] * len(self.blocks)
+
+    def _replicas(self, block: int, size: int) -> int:
+        """On how many ranks each piece of block ``block`` sits (1: split, not copied)."""
+        groups = self.groups[block]
+        return size // groups if groups and groups < size else 1
+
+    def _local(self, size: int) -> List[int]:
+        return [b * self._replicas(i, size) // size for i, b in enumerate(self.blocks)]
+
+    def check(self, size: int) -> None:
+        """Raises ValueError naming the blocks ``size`` ranks cannot split."""
+        for block, groups in zip(self.blocks, self.groups):
+            if groups and (block % groups or (groups % size and size % groups)):
+                raise ValueError(f"torchpp: a fused block of {block} in {groups} groups does not split over the "
+                                 f"tensor-parallel size {size} (it must divide the groups or be a multiple of them)")
+            if not groups and block % size:
+                raise ValueError(f"torchpp: the tensor-parallel size {size} does not divide each fused block "
+                                 f"{self.blocks} along dim {self.dim}")
+
+    def copied_rows(self, size: int) -> Optional[Tuple[int, int, int]]:
+        """(start, stop, replicas) of the copied blocks' rows in a shard (None: nothing copied);
+        they sit next to each other, copied onto as many ranks each."""
+        local, rows, replicas = self._local(size), [], set()
+        for i in range(len(self.blocks)):
+            if self._replicas(i, size) > 1:
+                rows.append((sum(local[:i]), sum(local[:i + 1])))
+                replicas.add(self._replicas(i, size))
+        if not rows:
+            return None
+        if len(replicas) > 1 or any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"torchpp: the copied blocks of {self!r} must be adjacent and copied alike")
+        return rows[0][0], rows[-1][1], replicas.pop()
+
+    def uncounted(self, rank: int, size: int) -> range:
+        """The rows of rank ``rank``'s shard that another rank's copy counts (a norm counts each once)."""
+        copied = self.copied_rows(size)
+        return range(copied[0], copied[1]) if copied is not None and rank % copied[2] else range(0)
 
     def __call__(self, shards):
         size = len(shards)
-        local = [b // size for b in self.blocks]
-        pieces = [shard.split(local, self.dim) for shard in shards]
-        return torch.cat([torch.cat([p[block] for p in pieces], self.dim) for block in range(len(self.blocks))],
-                         self.dim)
+        pieces = [shard.split(self._local(size), self.dim) for shard in shards]
+        return torch.cat([torch.cat([p[i] for p in pieces[::self._replicas(i, size)]], self.dim)
+                          for i in range(len(self.blocks))], self.dim)
 
     def shard(self, full, rank, size):
-        for block in self.blocks:
-            if block % size:
-                raise ValueError(f"torchpp: the tensor-parallel size {size} does not divide each fused block "
-                                 f"{self.blocks} along dim {self.dim}")
-        piece = sum(self.blocks) // size
-        return _regroup(full, self.blocks, size, self.dim).narrow(self.dim, rank * piece, piece)
+        self.check(size)
+        local = self._local(size)
+        return torch.cat([block.narrow(self.dim, rank // self._replicas(i, size) * local[i], local[i])
+                          for i, block in enumerate(full.split(self.blocks, self.dim))], self.dim)
 
     def __repr__(self) -> str:
-        return f"Packed(dim={self.dim}, blocks={self.blocks})"
+        groups = f", groups={self.groups}" if any(self.groups) else ""
+        return f"Packed(dim={self.dim}, blocks={self.blocks}{groups})"
 
 
 class HeadCopies(Layout):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpp.tensor_parallel.layouts import FusedQKV, HeadCopies, Layout, Replicated
+from torchpp.tensor_parallel.layouts import FusedQKV, HeadCopies, Layout, Packed, Replicated
 from torchpp.tensor_parallel.utils import mark_tensor_parallel
 
 
@@ -66,9 +66,14 @@ def shard_parameter(param: nn.Parameter, layout: Layout, ctx: TPContext, name: s
         param.tp_replicas = layout.replicas
         if ctx.rank % layout.replicas:
             param.shared_duplicate = True  # the norm counts one copy of each head
-    if isinstance(layout, FusedQKV) and len(layout.uncounted(ctx.rank, ctx.size)):
+    if isinstance(layout, (FusedQKV, Packed)) and len(layout.uncounted(ctx.rank, ctx.size)):
         rows = layout.uncounted(ctx.rank, ctx.size)  # copied key/value rows: another rank's copy is counted
         param.tp_uncounted = (layout.dim % param.dim(), rows.start, rows.stop)
+    if isinstance(layout, Packed) and layout.copied_rows(ctx.size) is not None:
+        # Copied groups (Mamba 2's B and C) read by this rank's heads only: their gradient rows
+        # are summed over the group's copies, the rest of the tensor's stay this rank's.
+        param.tp_grad_sum = "rows"
+        param.tp_grad_rows = (layout.dim % param.dim(), *layout.copied_rows(ctx.size))
 
 
 def full_shape(param: torch.Tensor, ctx: TPContext) -> torch.Size:
@@ -92,8 +97,9 @@ def sum_grads_over_copies(param: nn.Parameter, ctx: TPContext) -> None:
 
 
 def install_grad_hooks(module: nn.Module, ctx: TPContext) -> None:
-    """Registers the gradient sums ``sum_grads_over_tp`` and ``sum_grads_over_copies`` marked
-    (after the parameters have their final storage: a hook belongs to a tensor's storage)."""
+    """Registers the gradient sums ``sum_grads_over_tp`` and ``sum_grads_over_copies`` marked, and
+    those of copied rows (``shard_parameter`` of a Packed layout with copied groups), after the
+    parameters have their final storage (a hook belongs to a tensor's storage)."""
     group, rank, size = ctx.group, ctx.rank, ctx.size
 
     def all_reduce(grad: torch.Tensor) -> torch.Tensor:
@@ -109,10 +115,17 @@ def install_grad_hooks(module: nn.Module, ctx: TPContext) -> None:
             return slots[rank // replicas]
         return hook
 
+    def sum_copied_rows(dim: int, start: int, stop: int, replicas: int):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            rows = sum_copies(replicas)(grad.narrow(dim, start, stop - start))
+            return torch.cat([grad.narrow(dim, 0, start), rows, grad.narrow(dim, stop, grad.size(dim) - stop)], dim)
+        return hook
+
     for param in module.parameters():
         kind = getattr(param, "tp_grad_sum", None)
         if kind is None or getattr(param, "_tp_grad_hooked", False):
             continue
-        hook = all_reduce if kind == "tp" else sum_copies(param.tp_replicas)
+        hook = (all_reduce if kind == "tp" else sum_copied_rows(*param.tp_grad_rows) if kind == "rows"
+                else sum_copies(param.tp_replicas))
         ctx.hooks.append(param.register_hook(hook))
         param._tp_grad_hooked = True

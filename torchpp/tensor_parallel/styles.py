@@ -20,7 +20,11 @@ embeddings in ``tp_forwards``.
 | rowwise_copy_output            | columns split, bias replicated  | g then f on output (read by split work)  |
 | conv_channels[(a,b,...)]       | channels split (depthwise conv) | as before, on this rank's channels       |
 | packed_colwise                 | fused rows split block by block | as colwise                               |
-| packed_colwise(a,b,...)        | as above, blocks of these sizes | as colwise                               |
+| packed_colwise(a,b@g,...)      | as above, blocks of these sizes;| as colwise; copied rows' gradients       |
+|                                | b@g: g groups, copied per group | summed over their copies                 |
+|                                | where the ranks outnumber them  |                                          |
+| gated_group_rmsnorm            | weight split by channels        | group statistics summed over the ranks   |
+|                                |                                 | sharing a group (Mamba 2's gated norm)   |
 | packed_qkv_colwise (_grouped_) | own q heads, k/v heads or copies| as colwise; f on copied k/v outputs      |
 | packed_rowwise                 | fused last dim split per block  | (parameter style)                        |
 | embedding_rowwise              | vocabulary split (padded)       | partial lookups summed (g)               |
@@ -90,16 +94,17 @@ class Colwise(Style):
     name = "colwise"
 
     def __init__(self, gather_output: bool = False, packed: int = 1, blocks: Optional[Sequence[int]] = None,
-                 fused_qkv: Optional[str] = None):
+                 fused_qkv: Optional[str] = None, groups: Optional[Sequence[int]] = None):
         self.gather_output, self.packed, self.blocks, self.fused_qkv = gather_output, packed, blocks, fused_qkv
+        self.groups = groups  # per block: how many groups it holds (copied where the ranks outnumber them)
 
     def layouts(self, module, name, ctx) -> Tuple[Layout, Layout]:
         """(weight layout, bias layout) of the linear ``module`` (also what plan="auto" simulates)."""
         dim = _out_dim(_linear_kind(module, name, self.name))
         out_features = full_shape(module.weight, ctx)[dim]
         if self.blocks is not None:
-            layout = Packed(dim, _blocks_of(self.blocks, out_features, name))
-            return layout, Packed(0, layout.blocks)
+            layout = Packed(dim, _blocks_of(self.blocks, out_features, name), self.groups)
+            return layout, Packed(0, layout.blocks, self.groups)
         if self.fused_qkv:  # "blocks" [q | k | v] or "grouped" per key/value head
             return fused_qkv_layouts(out_features, dim, ctx, name, grouped=self.fused_qkv == "grouped")
         if self.packed > 1:
@@ -123,10 +128,10 @@ class Colwise(Style):
         shard_parameter(module.weight, layout, ctx, f"{name}.weight")
         if module.bias is not None:
             shard_parameter(module.bias, bias_layout, ctx, f"{name}.bias")
-        copies = isinstance(layout, HeadCopies)
+        copies = isinstance(layout, HeadCopies) or getattr(module.weight, "tp_grad_sum", None) == "rows"
         copied = layout.copied_features(ctx.size) if isinstance(layout, FusedQKV) else 0
         for param in (module.weight, module.bias):
-            if copies and param is not None:
+            if isinstance(layout, HeadCopies) and param is not None:
                 sum_grads_over_copies(param, ctx)
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
@@ -235,15 +240,16 @@ class ConvChannels(Style):
 
     name = "conv_channels"
 
-    def __init__(self, blocks: Optional[Sequence[int]] = None):
-        self.blocks = blocks
+    def __init__(self, blocks: Optional[Sequence[int]] = None, groups: Optional[Sequence[int]] = None):
+        self.blocks, self.groups = blocks, groups
 
     def apply(self, module, name, ctx):
         if not isinstance(module, nn.Conv1d) or not module.in_channels == module.out_channels == module.groups:
             raise PlanError(f"torchpp plan: style 'conv_channels' splits a depthwise nn.Conv1d (groups = channels), "
                             f"but {name} is {module!r}")
         channels = module.out_channels
-        layout = (Split(0, channels) if self.blocks is None else Packed(0, _blocks_of(self.blocks, channels, name)))
+        layout = (Split(0, channels) if self.blocks is None
+                  else Packed(0, _blocks_of(self.blocks, channels, name), self.groups))
         for param_name in ("weight", "bias"):
             if getattr(module, param_name) is not None:
                 shard_parameter(getattr(module, param_name), layout, ctx, f"{name}.{param_name}")
@@ -424,9 +430,9 @@ STYLES: Dict[str, Style] = {
 
 
 # Styles that take a fused output's block sizes: ``packed_colwise(4096,4096,256,256,64)``.
-BLOCK_STYLES: Dict[str, Callable[[List[int]], Style]] = {
-    "packed_colwise": lambda blocks: Colwise(blocks=blocks),
-    "conv_channels": lambda blocks: ConvChannels(blocks),
+BLOCK_STYLES: Dict[str, Callable[[List[int], List[int]], Style]] = {
+    "packed_colwise": lambda blocks, groups: Colwise(blocks=blocks, groups=groups),
+    "conv_channels": lambda blocks, groups: ConvChannels(blocks, groups),
 }
 
 
@@ -435,10 +441,16 @@ def get_style(name: str, where: str, config=None) -> Style:
     the plan entry otherwise)."""
     if name == "mla_kv_a_proj" and config is not None:
         return MlaKvAProj(getattr(config, "qk_rope_head_dim", None))
-    sized = re.fullmatch(r"(\w+)\(([\d, ]+)\)", name)
-    if sized and sized.group(1) in BLOCK_STYLES:
-        style = BLOCK_STYLES[sized.group(1)]([int(size) for size in sized.group(2).split(",")])
+    sized = re.fullmatch(r"(\w+)\(([\d@, ]+)\)", name)
+    if sized and sized.group(1) in BLOCK_STYLES:  # "a,b@g,...": a block of b in g groups
+        blocks = [block.strip().partition("@") for block in sized.group(2).split(",")]
+        style = BLOCK_STYLES[sized.group(1)]([int(size) for size, _, _ in blocks],
+                                             [int(groups or 0) for _, _, groups in blocks])
         return _named(style, name)
+    if name == "gated_group_rmsnorm":  # (its module imports this one)
+        from torchpp.tensor_parallel.group_norm import GatedGroupRMSNorm
+
+        return GatedGroupRMSNorm()
     if name.startswith("split_head_inputs("):  # parameterised by the inputs it slices
         from torchpp.tensor_parallel.head_inputs import head_inputs_style_of
 

@@ -1,0 +1,67 @@
+"""The gated RMS norm of Mamba 2 mixers under TP (style ``gated_group_rmsnorm``).
+
+transformers' Mamba 2 mixers (Mamba 2, Bamba, Nemotron-H, Granite hybrid, Zamba 2) normalise
+``x * silu(gate)`` over each group of ``group_size`` channels, one group per group of heads, then
+scale by a per-channel weight. The weight splits by channels with the heads. Where each rank holds
+whole groups (tp divides n_groups) the module runs unchanged on its channels. Where the ranks
+outnumber the groups (n_groups=1 in Bamba, Granite 4 and Zamba 2), a group spans several ranks: each
+rank's sum of squares over its part is summed over the ranks sharing its group (all-reduce forward
+and backward: each rank's output depends on the others' channels), as vLLM's Mamba 2 norm does.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchpp import ops
+from torchpp.tensor_parallel.layouts import Split
+from torchpp.tensor_parallel.sharding import PlanError, TPContext, full_shape, shard_parameter
+from torchpp.tensor_parallel.styles import Style
+
+
+def sum_over_group(local: torch.Tensor, group, slot: int, slots: int) -> torch.Tensor:
+    """``local`` summed over the ranks of TP slot ``slot`` of ``slots`` (consecutive ranks sharing a
+    group of channels), forward and backward: each enters its slot of a zero-padded row, g then f."""
+    pieces = [local if s == slot else torch.zeros_like(local) for s in range(slots)]
+    summed = ops.copy_to_tp_region(ops.reduce_from_tp_region(torch.cat(pieces, dim=-1), group), group)
+    return summed.narrow(-1, slot * local.size(-1), local.size(-1))
+
+
+def _forward_over_ranks(self, hidden_states: torch.Tensor, gate=None) -> torch.Tensor:
+    # transformers' gated group norm, its group's sum of squares taken over the ranks holding it.
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    if gate is not None:
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+    squares = sum_over_group(hidden_states.pow(2).sum(-1, keepdim=True), *self.tp_group_slot)
+    hidden_states = hidden_states * torch.rsqrt(squares / self.group_size + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+class GatedGroupRMSNorm(Style):
+    """Weight split by channels; the group's statistics summed over the ranks sharing it."""
+
+    name = "gated_group_rmsnorm"
+
+    def apply(self, module: nn.Module, name: str, ctx: TPContext) -> None:
+        weight, group_size = getattr(module, "weight", None), getattr(module, "group_size", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(group_size, int) \
+                or not hasattr(module, "variance_epsilon"):
+            raise PlanError(f"torchpp plan: style {self.name!r} applies to a gated RMS norm over groups of channels "
+                            f"(weight, group_size, variance_epsilon), but {name} is {type(module).__name__}")
+        channels = full_shape(weight, ctx)[0]
+        if channels % group_size or channels % ctx.size:
+            raise PlanError(f"torchpp plan: {name}: {channels} channels in groups of {group_size} do not split over "
+                            f"tp={ctx.size}")
+        groups = channels // group_size
+        if groups % ctx.size and ctx.size % groups:
+            raise PlanError(f"torchpp plan: {name}: tp={ctx.size} neither divides its {groups} groups nor is a "
+                            f"multiple of them")
+        shard_parameter(weight, Split(0, channels), ctx, f"{name}.weight")
+        if groups < ctx.size:  # a group spans ranks
+            replicas = ctx.size // groups
+            module.tp_group_slot = (ctx.group, ctx.rank // replicas, groups)
+            module.forward = types.MethodType(_forward_over_ranks, module)
