@@ -6,7 +6,7 @@ and the conv's three split block by block, whole groups of heads per rank. Mamba
 Mamba 2 at tp=2 (and, under plan="auto", the Mamba 2 mixers of Nemotron-H, Bamba, Granite hybrid
 and Zamba 2, and Jamba's Mamba 1 mixers, whose norms on dt, B and C take their gradients summed
 over TP). Fewer groups of heads than ranks (n_groups=1 in Bamba, Granite and Zamba 2; Mamba 2 with
-1 or 2 groups at tp=4): each rank holds its heads' group of B and C, copied, their gradient rows
+1 or 2 groups at tp=4, Falcon-H1 with 2 at tp=4): each rank holds its heads' group of B and C, copied, their gradient rows
 summed over the copies, and the gated norm's statistics summed over the ranks sharing a group.
 Mamba, Mamba 2, Jamba and Bamba at tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in
 float64 against the unwrapped model: loss, logits, every gradient, one SGD step
@@ -26,7 +26,10 @@ TIMEOUT_S = 240
 def _tp_checks():
     return [check_tp("mamba"), check_tp("falcon_mamba", plan="auto"), check_tp("mamba2", plan="auto"),
             check_tp("nemotron_h", plan="auto"), check_tp("jamba", plan="auto"), check_tp("bamba", plan="auto"),
-            check_tp("granitemoehybrid", plan="auto"), check_tp("zamba2", plan="auto")]
+            check_tp("granitemoehybrid", plan="auto"), check_tp("zamba2", plan="auto"),
+            # Falcon-H1: in_proj's output scaled per channel (mup_vector); its norm gates after or before
+            check_tp("falcon_h1", plan="auto", mamba_rms_norm=True),
+            check_tp("falcon_h1", plan="auto", mamba_rms_norm=True, mamba_norm_before_gate=False)]
 
 
 def test_mamba_mixers_split_by_channels(ranks):
@@ -45,15 +48,18 @@ def test_mamba_mixers_split_by_channels(ranks):
         assert details[5].endswith("BambaDecoderLayer 5/5"), details
         assert details[6].endswith("GraniteMoeHybridDecoderLayer 4/4"), details
         assert details[7].endswith("Zamba2MambaDecoderLayer 2/2, Zamba2HybridLayer 2/11"), details
+        assert details[8].endswith("FalconH1DecoderLayer 9/9") and details[9].endswith("9/9"), details  # (7/9 before)
 
 
 def _fewer_groups_than_ranks():
-    return [check_tp("mamba2", tp=4, n_groups=groups) for groups in (1, 2)]
+    return [check_tp("mamba2", tp=4, n_groups=groups) for groups in (1, 2)] + [
+        check_tp("falcon_h1", tp=4, plan="auto", mamba_rms_norm=True, mamba_n_groups=2)]
 
 
 def test_mamba2_groups_copied_over_four_ranks(ranks):
     for details in ranks(4).run(_fewer_groups_than_ranks, timeout=TIMEOUT_S):
-        assert all("34 sharded" in d for d in details), details
+        assert all("34 sharded" in d for d in details[:2]), details
+        assert details[2].endswith("FalconH1DecoderLayer 9/9"), details
 
 
 def _tp_and_pp():

@@ -36,7 +36,7 @@ Tensor parallelism (tp=2):
 - modules transformers keeps in float32, and float32 softmax as a tensor method, inside a
   float64 comparison (Bailing hybrid, DeepSeek-OCR 2);
 - plan="auto": groups whose split would fail or change the result stay whole while the rest
-  splits (Falcon-H1's mamba mixer whole, its attention and MLP split), fused parts a view cuts split part by part (Moshi's fc1), traced forwards leave no
+  splits (LFM3's short-convolution mixer whole, its attention and MLP split), fused parts a view cuts split part by part (Moshi's fc1), traced forwards leave no
   autograd history on modules (RecurrentGemma's recurrent state); a router sampling in training
   (PhiMoE) draws the same in the wrapped model as in the reference; a linear class writing nn.Linear's
   math out in its own forward (Falcon's FalconLinear) splits like nn.Linear.
@@ -98,15 +98,16 @@ def test_flagship(ranks, model_type):
 
 
 def _partly_split():
-    return check_tp("falcon_h1", plan="auto")
+    return check_tp("lfm3", plan="auto")
 
 
 def test_auto_plan_splits_around_what_it_keeps_whole(ranks):
-    # Falcon-H1's Mamba 2 mixer (in_proj's output scaled per channel, which the split trial finds)
-    # stays whole; the attention and MLP of the same layers split (7 of 9 linears: weights smaller
-    # than the unwrapped model's); loss, logits, every gradient and one SGD step still match.
+    # LFM3's short-convolution mixer (in_proj's output mixed by a depthwise conv over its whole
+    # width, which the split trial finds) stays whole in its two conv layers; the attention and MLPs
+    # split (3 of 8 linears there, 8 of 8 elsewhere: weights smaller than the unwrapped model's);
+    # loss, logits, every gradient and one SGD step still match.
     details = ranks(2).run(_partly_split, timeout=TIMEOUT_S)
-    assert all(d.endswith("linears split per layer: FalconH1DecoderLayer 7/9") for d in details), details
+    assert all(d.endswith("linears split per layer: Lfm3DecoderLayer 3-8/8") for d in details), details
 
 
 def _sum_different_parameters():

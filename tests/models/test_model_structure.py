@@ -214,7 +214,7 @@ def test_loss_convention_is_read_from_the_model():
 def test_auto_plan_keeps_whole_the_groups_a_split_would_break():
     # LFM3's short convolution mixes in_proj's output with a depthwise conv over its whole width:
     # split over tp=2 it fails, so the mixer stays whole while its MLP still splits
-    # (torchpp.models.auto_check; Falcon-H1's mamba mixer, scaling in_proj's output per channel, likewise).
+    # (torchpp.models.auto_check).
     plan, _ = auto_plans(tiny_model("lfm3"), tp=2)
     assert not any(".conv." in name for name in plan), plan
     assert plan["model.layers.*.feed_forward.w2"] == "rowwise"

@@ -13,6 +13,8 @@ carry none), Megatron's channel split:
   groups, each rank holds its heads' group of B and C, copied (``b@g`` block sizes; their
   gradient rows summed over the copies), and the norm sums its group's squares over the ranks
   sharing it (``gated_group_rmsnorm``).
+- Falcon-H1's Mamba 2 mixers: as Mamba 2's; ``mup_vector``, the per-channel scale of in_proj's
+  output, is cut like in_proj's rows, and its norm (which may gate after normalising) likewise.
 - Jamba's Mamba 1 mixers: as Mamba's; its norms on dt, B and C read x_proj's summed output and
   feed this rank's channels, so their gradients are summed over TP.
 
@@ -25,8 +27,11 @@ import inspect
 import sys
 from typing import Callable, Dict, Optional, Set, Tuple
 
+import torch
 from torch import nn
 
+from torchpp.tensor_parallel.group_norm import norm_groups
+from torchpp.tensor_parallel.layouts import Packed
 from torchpp.tensor_parallel.plan import glob_pattern
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
 
@@ -79,8 +84,8 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
     over [x; B; C], per-head A_log, D and dt_bias, a norm over each group, out_proj."""
     counts = [getattr(module, name, None) for name in ("intermediate_size", "n_groups", "ssm_state_size",
                                                          "num_heads", "conv_dim")]
-    if not all(isinstance(c, int) for c in counts) or getattr(module, "mup_vector", None) is not None:
-        return False  # (Falcon-H1 scales in_proj's output per channel: not this layout's)
+    if not all(isinstance(c, int) for c in counts):
+        return False
     inner, groups, state, heads, conv = counts
     in_proj, conv1d = getattr(module, "in_proj", None), getattr(module, "conv1d", None)
     return (isinstance(in_proj, nn.Linear) and isinstance(conv1d, nn.Conv1d)
@@ -118,7 +123,9 @@ def why_mamba2_stays_whole(mixer: nn.Module, tp: int) -> str:
         return f"tp={tp} does not divide its num_heads={heads} into whole groups of heads per rank"
     if groups % tp and tp % groups:
         return f"tp={tp} neither divides its n_groups={groups} nor is a multiple of it"
-    if groups < tp and not isinstance(getattr(getattr(mixer, "norm", None), "group_size", None), int):
+    norm = getattr(mixer, "norm", None)
+    if groups < tp and isinstance(getattr(norm, "weight", None), nn.Parameter) and \
+            norm_groups(norm, mixer.intermediate_size) is None:
         return f"its norm is not a gated norm over groups of channels, which tp={tp} > n_groups={groups} would split"
     return ""
 
@@ -153,6 +160,10 @@ def divide_mixer_counts(model: nn.Module, plan: Dict[str, str], ctx: TPContext) 
             module.num_heads //= ctx.size
             module.n_groups = max(module.n_groups // ctx.size, 1)
             module.conv_dim = module.intermediate_size + 2 * module.n_groups * module.ssm_state_size
+            scale = getattr(module, "mup_vector", None)  # Falcon-H1: in_proj's output scaled per channel
+            if isinstance(scale, torch.Tensor):
+                layout = module.in_proj.weight.tp_layout
+                module.mup_vector = Packed(-1, layout.blocks, layout.groups).shard(scale, ctx.rank, ctx.size)
             done.add(name)
     return done
 

@@ -31,14 +31,29 @@ def sum_over_group(local: torch.Tensor, group, slot: int, slots: int) -> torch.T
 
 
 def _forward_over_ranks(self, hidden_states: torch.Tensor, gate=None) -> torch.Tensor:
-    # transformers' gated group norm, its group's sum of squares taken over the ranks holding it.
-    input_dtype = hidden_states.dtype
+    # transformers' gated group norm, its group's sum of squares taken over the ranks holding it;
+    # Falcon-H1's may gate after the norm and scales before casting back.
+    input_dtype, gate_after = hidden_states.dtype, getattr(self, "norm_before_gate", None)
     hidden_states = hidden_states.to(torch.float32)
-    if gate is not None:
+    if gate is not None and not gate_after:
         hidden_states = hidden_states * F.silu(gate.to(torch.float32))
     squares = sum_over_group(hidden_states.pow(2).sum(-1, keepdim=True), *self.tp_group_slot)
-    hidden_states = hidden_states * torch.rsqrt(squares / self.group_size + self.variance_epsilon)
-    return self.weight * hidden_states.to(input_dtype)
+    hidden_states = hidden_states * torch.rsqrt(squares / self.tp_group_channels + self.variance_epsilon)
+    if gate_after is None:
+        return self.weight * hidden_states.to(input_dtype)
+    hidden_states = self.weight * hidden_states
+    if gate is not None and gate_after:
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+    return hidden_states.to(input_dtype)
+
+
+def norm_groups(module: nn.Module, channels: int):
+    """How many groups the norm's channels form: ``group_size`` wide each (Mamba 2's), or
+    ``n_groups`` of them (Falcon-H1's); None for another module."""
+    if isinstance(getattr(module, "group_size", None), int):
+        return channels // module.group_size if channels % module.group_size == 0 else None
+    n_groups = getattr(module, "n_groups", None)
+    return n_groups if isinstance(n_groups, int) and n_groups > 0 and channels % n_groups == 0 else None
 
 
 class GatedGroupRMSNorm(Style):
@@ -47,21 +62,20 @@ class GatedGroupRMSNorm(Style):
     name = "gated_group_rmsnorm"
 
     def apply(self, module: nn.Module, name: str, ctx: TPContext) -> None:
-        weight, group_size = getattr(module, "weight", None), getattr(module, "group_size", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(group_size, int) \
-                or not hasattr(module, "variance_epsilon"):
+        weight = getattr(module, "weight", None)
+        channels = full_shape(weight, ctx)[0] if isinstance(weight, nn.Parameter) and weight.dim() == 1 else None
+        groups = norm_groups(module, channels) if channels else None
+        if groups is None or not hasattr(module, "variance_epsilon"):
             raise PlanError(f"torchpp plan: style {self.name!r} applies to a gated RMS norm over groups of channels "
-                            f"(weight, group_size, variance_epsilon), but {name} is {type(module).__name__}")
-        channels = full_shape(weight, ctx)[0]
-        if channels % group_size or channels % ctx.size:
-            raise PlanError(f"torchpp plan: {name}: {channels} channels in groups of {group_size} do not split over "
-                            f"tp={ctx.size}")
-        groups = channels // group_size
-        if groups % ctx.size and ctx.size % groups:
-            raise PlanError(f"torchpp plan: {name}: tp={ctx.size} neither divides its {groups} groups nor is a "
-                            f"multiple of them")
+                            f"(weight, group_size or n_groups, variance_epsilon), but {name} is {type(module).__name__}")
+        if channels % ctx.size or (groups % ctx.size and ctx.size % groups):
+            raise PlanError(f"torchpp plan: {name}: {channels} channels in {groups} groups do not split over "
+                            f"tp={ctx.size} (it must divide the channels, and divide the groups or be a multiple of them)")
         shard_parameter(weight, Split(0, channels), ctx, f"{name}.weight")
         if groups < ctx.size:  # a group spans ranks
             replicas = ctx.size // groups
             module.tp_group_slot = (ctx.group, ctx.rank // replicas, groups)
+            module.tp_group_channels = channels // groups
             module.forward = types.MethodType(_forward_over_ranks, module)
+        elif not hasattr(module, "group_size"):  # whole groups here: Falcon-H1's norm views n_groups of them
+            module.n_groups = groups // ctx.size
