@@ -220,13 +220,13 @@ def _dcp_steps_of_every_kind(tp, root, zero, **how):
 def test_zero_sharded_state_of_fused_padded_and_copied_shards_reloads_at_another_layout(ranks, tmp_path):
     # Under ZeRO a rank holds a flat segment of its TP shard's AdamW moments, scattered over the
     # full tensor these layouts save (and Bamba's copied B and C rows): saved at tp=2 x dp=2 under
-    # ZeRO-1, loaded under ZeRO-3 at the same layout (segments cut from the full tensor) and at
-    # tp=1 x dp=4 without ZeRO.
+    # ZeRO-3 (parameters held as dp shards too), loaded under ZeRO-1 at the same layout (segments
+    # cut from the full tensor) and at tp=1 x dp=4 without ZeRO.
     root = str(tmp_path)
-    saved = ranks(4).run(_dcp_steps_of_every_kind, 2, root, 1, save_after=True, timeout=TIMEOUT_S)[0]
-    for tp, zero in ((2, 3), (1, 0)):
+    saved = ranks(4).run(_dcp_steps_of_every_kind, 2, root, 3, save_after=True, timeout=TIMEOUT_S)[0]
+    for tp, zero in ((2, 1), (1, 0)):
         loaded = ranks(4).run(_dcp_steps_of_every_kind, tp, root, zero, load=True, timeout=TIMEOUT_S)[0]
         for (kind, *_), before, after in zip(ZERO_KINDS, saved, loaded):
             assert abs(after - before) <= 1e-9 * abs(before), (kind, tp, zero, before, after)
-    control = ranks(4).run(_dcp_steps_of_every_kind, 2, root, 3, load=True, restore=False, timeout=TIMEOUT_S)[0]
+    control = ranks(4).run(_dcp_steps_of_every_kind, 2, root, 1, load=True, restore=False, timeout=TIMEOUT_S)[0]
     assert all(abs(c - s) > 1e-6 * abs(s) for c, s in zip(control, saved)), (control, saved)  # the load matters
