@@ -122,7 +122,10 @@ def _resolve_plans(model: nn.Module, state: WrapState, plan) -> None:
         if state.hf:  # transformers' attention counts every head (BLOOM's num_heads): as under "auto"
             from torchpp.models.auto_plan import divide_head_attributes
 
-            state.fixups = lambda module, ctx: divide_head_attributes(module, state.tp_plan, ctx)
+            # (attention only: unlike "auto", no trial confirms it, and a layer may keep its width too)
+            attention = {name: style for name, style in state.tp_plan.items()
+                         if any(word in name.rpartition(".")[0].rpartition(".")[2] for word in ATTENTION_WORDS)}
+            state.fixups = lambda module, ctx: divide_head_attributes(module, attention, ctx)
             if state.layout is None:
                 state.layout = hf_layout(model)
     elif state.hf:
