@@ -4,8 +4,8 @@ per-channel scan reads dt, B and C back, its output gradient summed too (``rowwi
 the depthwise conv on this rank's channels (``conv_channels``). Mamba 2: in_proj's five fused blocks
 and the conv's three split block by block, whole groups of heads per rank. Mamba, Falcon-Mamba and
 Mamba 2 at tp=2 (and, under plan="auto", the Mamba 2 mixers of Nemotron-H, Bamba, Granite hybrid
-and Zamba 2, and Jamba's Mamba 1 mixers, whose norms on dt, B and C take their gradients summed
-over TP). Fewer groups of heads than ranks (n_groups=1 in Bamba, Granite and Zamba 2; Mamba 2 with
+and Zamba 2, Jamba's Mamba 1 mixers, whose norms on dt, B and C take their gradients summed
+over TP, and Zamba's, whose heads hold their own x_proj and dt_proj). Fewer groups of heads than ranks (n_groups=1 in Bamba, Granite and Zamba 2; Mamba 2 with
 1 or 2 groups at tp=4, Falcon-H1 with 2 at tp=4): each rank holds its heads' group of B and C, copied, their gradient rows
 summed over the copies, and the gated norm's statistics summed over the ranks sharing a group.
 Mamba, Mamba 2, Jamba and Bamba at tp=2 x pp=2 under zb-h1 (weight gradients deferred to W), in
@@ -29,7 +29,9 @@ def _tp_checks():
             check_tp("granitemoehybrid", plan="auto"), check_tp("zamba2", plan="auto"),
             # Falcon-H1: in_proj's output scaled per channel (mup_vector); its norm gates after or before
             check_tp("falcon_h1", plan="auto", mamba_rms_norm=True),
-            check_tp("falcon_h1", plan="auto", mamba_rms_norm=True, mamba_norm_before_gate=False)]
+            check_tp("falcon_h1", plan="auto", mamba_rms_norm=True, mamba_norm_before_gate=False),
+            # Zamba: per-head x_proj and dt_proj tensors [heads, ...], split along their heads
+            check_tp("zamba", plan="auto")]
 
 
 def test_mamba_mixers_split_by_channels(ranks):
@@ -49,6 +51,7 @@ def test_mamba_mixers_split_by_channels(ranks):
         assert details[6].endswith("GraniteMoeHybridDecoderLayer 4/4"), details
         assert details[7].endswith("Zamba2MambaDecoderLayer 2/2, Zamba2HybridLayer 2/11"), details
         assert details[8].endswith("FalconH1DecoderLayer 9/9") and details[9].endswith("9/9"), details  # (7/9 before)
+        assert details[10].endswith("ZambaMambaDecoderLayer 2/2, ZambaHybridLayer 2/10"), details  # (nothing before)
 
 
 def _fewer_groups_than_ranks():
@@ -85,6 +88,8 @@ def test_auto_finds_mamba_mixers_of_hybrid_families():
     plan, whole = mamba_mixers(tiny_model("bamba"), "model.layers", 2)  # n_groups=1: B and C copied
     assert plan["model.layers.0.mamba.in_proj"] == "packed_colwise(128,128,16@1,16@1,4)" and not whole
     assert plan["model.layers.0.mamba.norm"] == "gated_group_rmsnorm"
+    plan, whole = mamba_mixers(tiny_model("zamba"), "model.layers", 2)  # per-head tensors, heads first
+    assert plan["model.layers.0.mamba.x_proj_weight"] == "split_leading_dim" and not whole
     plan, whole = mamba_mixers(tiny_model("bamba"), "model.layers", 3)  # 4 heads: stays whole, says why
     assert not plan and "tp=3 does not divide its num_heads=4" in whole["model.layers.0.mamba.out_proj"]
 

@@ -15,6 +15,8 @@ carry none), Megatron's channel split:
   sharing it (``gated_group_rmsnorm``).
 - Falcon-H1's Mamba 2 mixers: as Mamba 2's; ``mup_vector``, the per-channel scale of in_proj's
   output, is cut like in_proj's rows, and its norm (which may gate after normalising) likewise.
+- Zamba's Mamba 1 mixers: channels in heads, each with its own x_proj and dt_proj ([heads, ...]
+  tensors, ``split_leading_dim``): whole heads per rank, nothing crosses ranks until out_proj.
 - Jamba's Mamba 1 mixers: as Mamba's; its norms on dt, B and C read x_proj's summed output and
   feed this rank's channels, so their gradients are summed over TP.
 
@@ -110,6 +112,35 @@ def is_mamba_mixer(module: nn.Module) -> bool:
             and a_log.dim() == 2 and a_log.shape[0] == inner and tuple(d.shape) == (inner,))
 
 
+ZAMBA_PER_HEAD = ("x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D")
+
+
+def is_zamba_mixer(module: nn.Module) -> bool:
+    """Zamba's Mamba 1 mixer: its channels in ``n_mamba_heads`` independent heads, each with its own
+    x_proj and dt_proj (tensors [heads, ...]); in_proj's output pairs each channel with its gate."""
+    heads, conv1d = getattr(module, "n_mamba_heads", None), getattr(module, "conv1d", None)
+    if not isinstance(heads, int) or not isinstance(conv1d, nn.Conv1d) or not all(
+            isinstance(getattr(module, name, None), nn.Linear) for name in ("in_proj", "out_proj")):
+        return False
+    inner = conv1d.out_channels
+    per_head = [getattr(module, name, None) for name in ZAMBA_PER_HEAD]
+    return (conv1d.groups == inner and module.in_proj.out_features == 2 * inner and module.out_proj.in_features == inner
+            and all(isinstance(p, nn.Parameter) and p.shape[0] == heads for p in per_head))
+
+
+def zamba_mixer_plan(path: str, mixer: Optional[nn.Module] = None) -> Dict[str, str]:
+    """The plan entries of Zamba's mixer at ``path``: whole heads per rank, nothing crosses ranks
+    until out_proj's row split (in_proj's [x, gate] pairs split with their channels)."""
+    plan = {f"{path}.in_proj": "colwise", f"{path}.conv1d": "conv_channels", f"{path}.out_proj": "rowwise"}
+    plan.update({f"{path}.{name}": "split_leading_dim" for name in ZAMBA_PER_HEAD})
+    return plan
+
+
+def why_zamba_stays_whole(mixer: nn.Module, tp: int) -> str:
+    """Why Zamba's mixer cannot split its heads over tp ranks ("" where it can)."""
+    return f"tp={tp} does not divide its n_mamba_heads={mixer.n_mamba_heads}" if mixer.n_mamba_heads % tp else ""
+
+
 def why_mamba_stays_whole(mixer: nn.Module, tp: int) -> str:
     """Why a Mamba 1 mixer cannot split its channels over tp ranks ("" where it can)."""
     inner = mixer.conv1d.out_channels
@@ -154,7 +185,13 @@ def divide_mixer_counts(model: nn.Module, plan: Dict[str, str], ctx: TPContext) 
     done: Set[str] = set()
     split = [glob_pattern(name.rpartition(".")[0]) for name, style in plan.items()
              if name.endswith(".in_proj") and style.startswith("packed_colwise(")]
+    zamba = [glob_pattern(name.rpartition(".")[0]) for name, style in plan.items()
+             if name.endswith(".x_proj_weight") and style == "split_leading_dim"]
     for name, module in model.named_modules():
+        if any(pattern.fullmatch(name) for pattern in zamba):  # Zamba's mixer reshapes by its head count
+            module.n_mamba_heads //= ctx.size
+            module.intermediate_size //= ctx.size
+            done.add(name)
         if any(pattern.fullmatch(name) for pattern in split):  # (sharded already: its shapes are this rank's)
             module.intermediate_size //= ctx.size
             module.num_heads //= ctx.size
@@ -196,7 +233,8 @@ def mamba_mixers(model: nn.Module, stack: str, tp: int) -> Tuple[Dict[str, str],
     plan, whole = {}, {}
     for name, module in model.get_submodule(stack).named_modules(prefix=stack):
         kind = ((why_mamba2_stays_whole, mamba2_mixer_plan) if is_mamba2_mixer(module) else
-                (why_mamba_stays_whole, mamba_mixer_plan) if is_mamba_mixer(module) else None)
+                (why_mamba_stays_whole, mamba_mixer_plan) if is_mamba_mixer(module) else
+                (why_zamba_stays_whole, zamba_mixer_plan) if is_zamba_mixer(module) else None)
         if kind is None:
             continue
         why = kind[0](module, tp)

@@ -35,6 +35,7 @@ embeddings in ``tp_forwards``.
 | mla_kv_a_proj                  | replicated                      | f on the rotary part of the output       |
 | all_reduce                     | -                               | f on inputs (no TP linear inside), g out |
 | split_head_inputs(a, ...)      | -                               | inputs a, ... cut to this rank's heads   |
+| split_leading_dim              | (parameter) leading dim split   | per-head tensors, heads first            |
 | local_params, replicate        | -                               | unchanged (parameters are local here)    |
 """
 from __future__ import annotations
@@ -383,6 +384,17 @@ class MlaKvAProj(Style):
         ctx.hooks.append(module.register_forward_hook(_map_first_output(split)))
 
 
+class LeadingDim(Style):
+    """A parameter of per-head tensors, heads first (Zamba's mixer: x_proj weights [heads, out, in]),
+    split along that leading dim: each rank holds its heads' tensors whole."""
+
+    name = "split_leading_dim"
+
+    def apply_param(self, module, param_name, name, ctx):
+        param = getattr(module, param_name)
+        shard_parameter(param, Split(0, param.shape[0]), ctx, name)
+
+
 class Unchanged(Style):
     """Parameters are plain local tensors here, so a module that only needs its sharded
     parameters as local tensors (transformers' ``local_params``) runs as it is."""
@@ -424,6 +436,7 @@ STYLES: Dict[str, Style] = {
     "moe_identity_expert": MoeIdentityExpert(),
     "mla_kv_a_proj": MlaKvAProj(),
     "all_reduce": AllReduce(),
+    "split_leading_dim": LeadingDim(),
     "local_params": Unchanged(),
     "replicate": _named(Unchanged(), "replicate"),
 }
