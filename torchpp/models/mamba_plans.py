@@ -173,8 +173,9 @@ def mamba2_mixer_plan(path: str, mixer: nn.Module) -> Dict[str, str]:
             f"{path}.out_proj": "rowwise"}
     plan.update({f"{path}.{name}": "colwise" for name in ("A_log", "D", "dt_bias")})
     norm = getattr(getattr(mixer, "norm", None), "weight", None)
-    if isinstance(norm, nn.Parameter) and norm.shape == (inner,):
-        plan[f"{path}.norm"] = "gated_group_rmsnorm"
+    if isinstance(norm, nn.Parameter) and norm.shape == (inner,):  # (a norm of another kind: whole groups only)
+        grouped = norm_groups(mixer.norm, inner) is not None
+        plan[f"{path}.norm" if grouped else f"{path}.norm.weight"] = "gated_group_rmsnorm" if grouped else "colwise"
     return plan
 
 
