@@ -52,14 +52,14 @@ def gather_whole_zero_state(optimizer, state: ParallelState) -> WholeState:
             keys = {}
             for held in everyone:
                 keys.update(held.get(k, {}))
-            segment = segment_of.get(id(param))
+            segment, layout = segment_of.get(id(param)), WholeLayout(param, state)
             for key in sorted(keys):
                 shard = torch.zeros(param.numel(), dtype=keys[key], device=flat.flat_grad.device)
                 if segment is not None:
                     values = inner.state[segment.shard_view][key]
                     shard[segment.param_lo:segment.param_lo + values.numel()].copy_(values)
                 dist.all_reduce(shard, group=flat.group)  # the segments are disjoint: the sum joins them
-                gathered[(id(param), key)] = WholeLayout(param, state).gather(shard.view(param.shape))
+                gathered[(id(param), key)] = layout.gather(shard.view(param.shape))
     return gathered
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torchpp import ops
 from torchpp.tensor_parallel.layouts import FusedQKV
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
+from torchpp.tensor_parallel.utils import through_slot
 
 
 def fused_qkv_layouts(out_features: int, dim: int, ctx: TPContext, name: str, grouped: bool) -> Tuple[FusedQKV, FusedQKV]:
@@ -49,6 +50,5 @@ def copied_tail_linear(input: torch.Tensor, weight: torch.Tensor, bias, copied: 
     shared = ops.copy_to_tp_region(input, group)
     head = F.linear(shared, weight[:own], None if bias is None else bias[:own])
     tail = F.linear(shared if first else shared.detach(), weight[own:], None if bias is None else bias[own:])
-    pieces = [tail if s == slot else tail.new_zeros(tail.shape) for s in range(slots)]
-    tail = ops.copy_to_tp_region(torch.cat(pieces, dim=-1), group).narrow(-1, slot * copied, copied)
+    tail = through_slot(tail, slot, slots, lambda row: ops.copy_to_tp_region(row, group))
     return torch.cat([head, tail], dim=-1)

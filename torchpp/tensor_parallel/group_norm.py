@@ -20,14 +20,14 @@ from torchpp import ops
 from torchpp.tensor_parallel.layouts import Split
 from torchpp.tensor_parallel.sharding import PlanError, TPContext, full_shape, shard_parameter
 from torchpp.tensor_parallel.styles import Style
+from torchpp.tensor_parallel.utils import through_slot
 
 
 def sum_over_group(local: torch.Tensor, group, slot: int, slots: int) -> torch.Tensor:
     """``local`` summed over the ranks of TP slot ``slot`` of ``slots`` (consecutive ranks sharing a
-    group of channels), forward and backward: each enters its slot of a zero-padded row, g then f."""
-    pieces = [local if s == slot else torch.zeros_like(local) for s in range(slots)]
-    summed = ops.copy_to_tp_region(ops.reduce_from_tp_region(torch.cat(pieces, dim=-1), group), group)
-    return summed.narrow(-1, slot * local.size(-1), local.size(-1))
+    group of channels), forward and backward: g then f on its slot of a zero-padded row."""
+    return through_slot(local, slot, slots,
+                        lambda row: ops.copy_to_tp_region(ops.reduce_from_tp_region(row, group), group))
 
 
 def _forward_over_ranks(self, hidden_states: torch.Tensor, gate=None) -> torch.Tensor:

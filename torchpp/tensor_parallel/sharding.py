@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpp.tensor_parallel.layouts import FusedQKV, HeadCopies, Layout, Packed, Replicated
-from torchpp.tensor_parallel.utils import mark_tensor_parallel
+from torchpp.tensor_parallel.utils import mark_tensor_parallel, through_slot
 
 
 class PlanError(ValueError):
@@ -108,17 +108,16 @@ def install_grad_hooks(module: nn.Module, ctx: TPContext) -> None:
         return grad
 
     def sum_copies(replicas: int):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            slots = grad.new_zeros((size // replicas,) + tuple(grad.shape))
-            slots[rank // replicas] = grad
-            dist.all_reduce(slots, group=group)  # one all-reduce; each rank adds into its head's slot
-            return slots[rank // replicas]
+        def hook(grad: torch.Tensor) -> torch.Tensor:  # one all-reduce; each rank adds into its head's slot
+            return through_slot(grad, rank // replicas, size // replicas, all_reduce)
         return hook
 
     def sum_copied_rows(dim: int, start: int, stop: int, replicas: int):
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            rows = sum_copies(replicas)(grad.narrow(dim, start, stop - start))
-            return torch.cat([grad.narrow(dim, 0, start), rows, grad.narrow(dim, stop, grad.size(dim) - stop)], dim)
+            grad = grad.clone()
+            rows = grad.narrow(dim, start, stop - start)
+            rows.copy_(sum_copies(replicas)(rows))
+            return grad
         return hook
 
     for param in module.parameters():

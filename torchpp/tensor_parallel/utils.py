@@ -11,6 +11,14 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def through_slot(local: torch.Tensor, slot: int, slots: int, collective) -> torch.Tensor:
+    """``collective`` (a sum over TP ranks) applied to ``local`` in slot ``slot`` of a zero-padded
+    row of ``slots`` (last dim), and that slot taken back: only the ranks sharing a slot (copies of
+    one head or group) add into each other's."""
+    pieces = [local if s == slot else torch.zeros_like(local) for s in range(slots)]
+    return collective(torch.cat(pieces, dim=-1)).narrow(-1, slot * local.size(-1), local.size(-1))
+
+
 def check_same_device(input: torch.Tensor, parameter: torch.Tensor, layer: str) -> None:
     """Raises naming both devices when a layer's input is not where its parameters are."""
     if input.device != parameter.device:
