@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/SDPBackend.h>
 #include <ATen/record_function.h>
 
@@ -57,13 +58,34 @@ bool matmul_forced() {
 
 // What SDPA would run for these shapes (honours torch.backends.cuda.enable_*_sdp), or math when
 // it names none (e.g. every fused backend disabled by the caller).
-at::SDPBackend sdpa_choice(const at::Tensor& q, const at::Tensor& k, bool causal, const Shapes& shapes) {
+at::SDPBackend sdpa_choice(const at::Tensor& q, const at::Tensor& k, bool causal, bool gqa, double scale) {
   try {
-    return static_cast<at::SDPBackend>(at::_fused_sdp_choice(q, k, k, std::nullopt, 0.0, causal, shapes.scale,
-                                                             /*enable_gqa=*/shapes.groups > 1));
+    return static_cast<at::SDPBackend>(at::_fused_sdp_choice(q, k, k, std::nullopt, 0.0, causal, scale, gqa));
   } catch (const c10::Error&) {
     return at::SDPBackend::math;
   }
+}
+
+// Key heads as many as the query heads, all aliasing the first: a stand-in for asking whether
+// the memory-efficient kernel (no grouped-query attention: we repeat the heads) takes the block.
+at::Tensor as_if_repeated(const at::Tensor& k, int64_t q_heads) {
+  return k.as_strided({k.size(0), q_heads, k.size(2), k.size(3)}, {k.stride(0), 0, k.stride(2), k.stride(3)});
+}
+
+// The log-sum-exp as the memory-efficient forward returns it: float, rows padded to a multiple of
+// 32 (its backward checks the head stride's alignment).
+at::Tensor padded_lse(const at::Tensor& lse) {
+  const int64_t rows = lse.size(2), padded = (rows + 31) / 32 * 32;
+  auto out = at::zeros({lse.size(0), lse.size(1), padded}, lse.options().dtype(at::kFloat));
+  out.narrow(2, 0, rows).copy_(lse);
+  return out;
+}
+
+bool flash_takes(const at::Tensor& q, const Shapes& shapes) {
+  // The flash kernel wants fp16/bf16 and head sizes a multiple of 8 up to 256 (SDPA pads them; we would copy).
+  const auto dtype = q.scalar_type();
+  return (dtype == at::kHalf || dtype == at::kBFloat16) && shapes.head_dim % 8 == 0 && shapes.head_dim <= 256 &&
+         at::globalContext().userEnabledFlashSDP();
 }
 
 }  // namespace
@@ -87,18 +109,29 @@ BlockKernel choose_kernel(const at::Tensor& q, const at::Tensor& k, const BlockM
     return BlockKernel::Matmul;  // a mask the kernels cannot take without an [sq, sk] tensor
   }
   const auto q_heads = per_head(q, shapes);
-  const auto choice = sdpa_choice(q_heads, k, mask.causal, shapes);
+  const bool gqa = shapes.groups > 1;
+  auto choice = sdpa_choice(q_heads, k, mask.causal, gqa, shapes.scale);
   if (q.device().is_cpu()) {
     return choice == at::SDPBackend::flash_attention ? BlockKernel::FlashCpu : BlockKernel::Matmul;
   }
-  // The flash kernel wants head sizes padded to a multiple of 8 (SDPA pads them; we would copy).
-  if (choice == at::SDPBackend::flash_attention && shapes.head_dim % 8 == 0) {
-    return BlockKernel::Flash;
+  if (choice == at::SDPBackend::math && gqa) {  // SDPA's grouped-query rule; we repeat the heads for efficient
+    choice = sdpa_choice(q_heads, as_if_repeated(k, shapes.q_heads), mask.causal, false, shapes.scale);
   }
-  if (choice == at::SDPBackend::flash_attention || choice == at::SDPBackend::efficient_attention) {
-    return BlockKernel::Efficient;  // fp32, or what flash declines; fp64 on CUDA has no fused kernel
+  switch (choice) {
+    case at::SDPBackend::flash_attention:
+      return shapes.head_dim % 8 == 0 ? BlockKernel::Flash : BlockKernel::Efficient;
+    case at::SDPBackend::cudnn_attention:
+      // SDPA's first choice on Hopper, but its log-sum-exp and backward take other conventions: the
+      // same shapes run on flash (or memory-efficient) attention, which return the log-sum-exp we merge.
+      if (flash_takes(q, shapes)) {
+        return BlockKernel::Flash;
+      }
+      return at::globalContext().userEnabledMemEfficientSDP() ? BlockKernel::Efficient : BlockKernel::Matmul;
+    case at::SDPBackend::efficient_attention:
+      return BlockKernel::Efficient;  // fp32, or what flash declines
+    default:
+      return BlockKernel::Matmul;  // fp64 on CUDA has no fused kernel
   }
-  return BlockKernel::Matmul;
 }
 
 std::pair<at::Tensor, at::Tensor> fused_block_forward(BlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
@@ -156,7 +189,7 @@ void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Ten
       const auto no_rng = at::empty({2}, q.options().dtype(at::kLong));
       auto result = at::_scaled_dot_product_efficient_attention_backward(
           dout_heads, q_heads, repeat_heads(k, shapes), repeat_heads(v, shapes), at::Tensor(), out_heads,
-          lse_heads.to(at::kFloat), no_rng, no_rng, 0.0, {true, true, true, false}, causal, shapes.scale);
+          padded_lse(lse_heads), no_rng, no_rng, 0.0, {true, true, true, false}, causal, shapes.scale);
       dq_block = std::get<0>(result);
       dk_block = sum_heads(std::get<1>(result), shapes);
       dv_block = sum_heads(std::get<2>(result), shapes);

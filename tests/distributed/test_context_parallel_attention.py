@@ -124,18 +124,24 @@ def test_attention_equals_full_sequence_sdpa(ranks, cp):
     assert ranks(cp).run(check_all_cases, 4 * cp) == [True] * cp
 
 
-def _kernels_used(packed: bool) -> dict:
-    """Profiler counts of the block kernels in one forward + backward of ring attention."""
+BLOCK_KERNELS = {"flash_cpu": "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "flash": "aten::_scaled_dot_product_flash_attention",
+                 "efficient": "aten::_scaled_dot_product_efficient_attention"}
+
+
+def _kernels_used(packed: bool, kernel: str = "flash_cpu", device=torch.device("cpu"),
+                  dtype=torch.float64) -> dict:
+    """Profiler counts of a block kernel's forward and backward in one forward + backward of ring
+    attention."""
     group = dist.group.WORLD
-    q, k, v, grad = _inputs(8 * group.size(), kv_heads=2)
-    segments = shard_sequence(_segments(q.size(2)), group, dim=1) if packed else None
+    q, k, v, grad = (t.to(device, dtype) for t in _inputs(8 * group.size(), kv_heads=2))
+    segments = shard_sequence(_segments(q.size(2)), group, dim=1).to(device) if packed else None
     ql, kl, vl = (shard_sequence(t, group, dim=2).requires_grad_() for t in (q, k, v))
-    with torch.profiler.profile() as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = attention(ql, kl, vl, group, causal=True, segment_ids=segments)
         out.backward(shard_sequence(grad, group, dim=2))
     names = [event.name for event in prof.events()]
-    return {kind: sum(name == f"aten::_scaled_dot_product_flash_attention_for_cpu{kind}" for name in names)
-            for kind in ("", "_backward")}
+    return {kind: sum(name == f"{BLOCK_KERNELS[kernel]}{kind}" for name in names) for kind in ("", "_backward")}
 
 
 def check_block_kernels():

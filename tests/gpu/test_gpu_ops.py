@@ -2,12 +2,13 @@
 floats, as on the CPU), expert dispatch/combine at ep=2 (float64 against the CPU reference),
 context-parallel attention at cp=2 in each mode and layout on each block kernel (float64:
 matmul; float32: memory-efficient; bfloat16: flash; against float64 SDPA, bf16 looser as its
-kernels round P to 8 bits), and the split-B/W linear under autocast (bf16, fp16) computing as
+kernels round P to 8 bits) with a profile showing that kernel ran (SDPA itself would pick cuDNN
+attention on Hopper), and the split-B/W linear under autocast (bf16, fp16) computing as
 autocast's own linear."""
 import pytest
 import torch
 
-from test_context_parallel_attention import check_all_cases
+from test_context_parallel_attention import _inputs, _kernels_used, check_all_cases
 from test_moe_dispatch import check_dispatch_combine
 from test_tp_mappings import check_all_mappings
 from torchpp.pipeline import SplitBWLinear, weight_grad_store
@@ -29,6 +30,27 @@ def test_expert_dispatch_combine_ep2(gpu_ranks, device, routing):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 def test_context_parallel_attention_cp2(gpu_ranks, device, dtype):
     assert gpu_ranks(2).run(check_all_cases, 16, device, dtype, timeout=TIMEOUT_S) == [True, True]
+
+
+def check_block_kernel(device, dtype, kernel):
+    used = _kernels_used(False, kernel or "flash", device, dtype)
+    q, k, _, _ = (t.to(device, dtype) for t in _inputs(8, kv_heads=2))
+    choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True)  # for the message
+    if kernel is None:
+        assert sum(used.values()) == 0, f"{dtype}: a fused kernel ran where none takes it: {used}"
+    else:
+        assert used[""] > 0 and used["_backward"] > 0, (f"{dtype}: the blocks did not run {kernel} attention "
+                                                        f"(counts {used}; SDPA's choice {choice})")
+    return used
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_context_parallel_blocks_run_fused_kernels(gpu_ranks, device, dtype):
+    if device.type == "cpu":
+        kernel = "flash_cpu"
+    else:
+        kernel = {torch.bfloat16: "flash", torch.float32: "efficient", torch.float64: None}[dtype]
+    assert len(gpu_ranks(2).run(check_block_kernel, device, dtype, kernel, timeout=TIMEOUT_S)) == 2
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])

@@ -6,7 +6,8 @@
 - the real-run timeline's compute spans are timed by CUDA events: a forward whose kernels take
   milliseconds on the device spans them, though its launches return in a fraction of that;
 - the gradients equal one process's over several steps (transfers complete before their
-  buffers are reused or read).
+  buffers are reused or read), in float64: 40 chained float32 matmuls summed per microbatch
+  rather than over the whole batch differ by ~1e-6 of the gradient's scale on the GPU.
 """
 import math
 import time
@@ -19,7 +20,10 @@ from torch import nn
 from torchpp.pipeline import PipelineStage, build_schedule
 from torchpp.pipeline.trace import COMPUTE, parse_action
 
-SIZES = {"cuda": (2048, 512, 40), "cpu": (128, 16, 4)}  # width, rows, matmuls: tiny in the CPU dry run
+# width, rows, matmuls: tiny in the CPU dry run. On the GPU each matmul's kernel must outlast its launch
+# many times over: at 512 rows, with three test files' ranks sharing the H100's host, a forward's 40
+# launches took 2.4 ms of its 9.0 ms on the device (below the 4x the timing check needs).
+SIZES = {"cuda": (2048, 2048, 40), "cpu": (128, 16, 4)}
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -42,12 +46,12 @@ def _loss(out, target):
     return (out - target).pow(2).mean()
 
 
-def _pipeline(m: int, device):
+def _pipeline(m: int, device, dtype=torch.float32):
     rank = dist.get_rank()
     width, rows, repeats = SIZES[device.type]
-    stage = PipelineStage(Heavy(rank, width, repeats).to(device), rank, 2, device)
+    stage = PipelineStage(Heavy(rank, width, repeats).to(device, dtype), rank, 2, device)
     sched = build_schedule("1f1b", stage, m, loss_fn=_loss)
-    x = torch.randn(rows * m, width, generator=torch.Generator().manual_seed(3)).to(device)
+    x = torch.randn(rows * m, width, generator=torch.Generator().manual_seed(3)).to(device, dtype)
     return stage, sched, x
 
 
@@ -100,9 +104,12 @@ def check_device_timed_spans(device):
         assert start >= end - 1.0, f"compute spans {a} and {b} overlap on one rank: {end} > {start}"
     if device.type == "cuda":
         # Host-timed spans would last about as long as the launches; device-timed ones as the kernels.
+        # The median, since the ranks (and other tests' ranks) share the GPU: a span that ran alone is
+        # shorter than the probe, which ran beside the other rank's (seen: 4.5 ms of 9.3).
         assert device_us > 4 * launch_us, f"the probe does not tell them apart: {launch_us:.0f} vs {device_us:.0f} us"
-        assert min(forwards) > 2 * launch_us, (f"forward spans {forwards} us are as short as their launches "
-                                               f"({launch_us:.0f} us; {device_us:.0f} us on the device): host-timed?")
+        median = sorted(forwards)[len(forwards) // 2]
+        assert median > 2 * launch_us, (f"forward spans {forwards} us are as short as their launches "
+                                        f"({launch_us:.0f} us; {device_us:.0f} us on the device): host-timed?")
     return min(forwards), launch_us, device_us
 
 
@@ -113,9 +120,9 @@ def test_timeline_spans_are_device_timed(gpu_ranks, device):
 
 def check_steps_equal_one_process(device):
     rank = dist.get_rank()
-    stage, sched, x = _pipeline(4, device)
+    stage, sched, x = _pipeline(4, device, torch.float64)
     width, _, repeats = SIZES[device.type]
-    reference = nn.Sequential(Heavy(0, width, repeats), Heavy(1, width, repeats)).to(device)
+    reference = nn.Sequential(Heavy(0, width, repeats), Heavy(1, width, repeats)).to(device, torch.float64)
     for step in range(3):
         stage.submod.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
@@ -123,7 +130,7 @@ def check_steps_equal_one_process(device):
         _run(sched, stage, batch)
         _loss(reference(batch), batch).backward()
         want = reference[rank].weight.grad
-        torch.testing.assert_close(stage.submod.weight.grad, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+        torch.testing.assert_close(stage.submod.weight.grad, want, rtol=1e-9, atol=1e-12 * want.abs().max().item())
     return True
 
 

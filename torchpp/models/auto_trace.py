@@ -23,7 +23,7 @@ def is_linear(module: nn.Module) -> bool:
                                              getattr(module, "weight", None) is not None and module.weight.dim() == 2)
 
 
-def _packed_outputs(nodes, outputs: Dict[int, str]) -> Dict[str, int]:
+def _packed_outputs(nodes, outputs: Dict[object, str]) -> Dict[str, int]:
     """{linear: number of equal parts} for linears whose output a split along the last dimension
     cuts into equal parts (the nodes of a walk that met them)."""
     found: Dict[str, int] = {}
@@ -31,7 +31,7 @@ def _packed_outputs(nodes, outputs: Dict[int, str]) -> Dict[str, int]:
         kind = type(node).__name__
         if not kind.startswith("Split"):
             continue
-        sources = [outputs.get(id(n)) for n, _ in node.next_functions if n is not None]
+        sources = [outputs.get(n) for n, _ in node.next_functions if n is not None]
         sizes = getattr(node, "_saved_self_sym_sizes", None)
         dim = getattr(node, "_saved_dim", None)
         if not sizes or dim is None or not any(sources):
@@ -112,7 +112,7 @@ class LayerTrace:
         self.whole: Dict[str, str] = {}
         if self.input is None or self.output is None or not self.linears:
             return []
-        outputs = {id(out): name for name, (_, out) in self.made.items()
+        outputs = {out: name for name, (_, out) in self.made.items()
                    if out is not None and not isinstance(out, torch.Tensor)}
         entry = self.entry if not isinstance(self.entry, torch.Tensor) else None
         reaching_output = walk_back([self.exit], outputs, entry).reached  # last linears before the output

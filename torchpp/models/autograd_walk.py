@@ -1,5 +1,10 @@
 """One walk back through autograd graphs, shared by what reads a model's structure from a traced
-forward (``run_order``, ``split_checks``, ``auto_plan``)."""
+forward (``run_order``, ``split_checks``, ``auto_plan``).
+
+Autograd nodes are told apart by the Python objects themselves, held in the walk's containers,
+never by ``id()`` alone: torch 2.11 frees a node's Python wrapper once nothing holds it, and the
+next wrapper (another node's) may take its address (a column linear's output and the row
+linear's after it read as one node, which left every row-split projection whole)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,19 +53,19 @@ class Walk:
     nodes: List[object] = field(default_factory=list)
 
 
-def walk_back(tensors: Iterable[Optional[torch.Tensor]], named: Mapping[int, str] = None, entry=None,
+def walk_back(tensors: Iterable[Optional[torch.Tensor]], named: Mapping[object, str] = None, entry=None,
               blocked: Iterable[object] = ()) -> Walk:
     """Walks back from ``tensors``' grad_fns.
 
     Args:
         tensors: where to start (None entries and tensors without history are skipped, a leaf
             that requires grad counts as a parameter met); an autograd node starts there itself.
-        named: id(node) -> name: nodes to record and not go past (linears' outputs).
+        named: node -> name: nodes to record and not go past (linears' outputs).
         entry: a node to record and not go past (a layer's input).
         blocked: nodes not to go past, unrecorded (the layers' outputs).
     """
     named = named or {}
-    blocked_ids = {id(node) for node in blocked}
+    blocked = set(blocked)
     walk = Walk()
     pending = []
     for tensor in tensors:
@@ -72,14 +77,14 @@ def walk_back(tensors: Iterable[Optional[torch.Tensor]], named: Mapping[int, str
             pending.append(tensor.grad_fn)
         elif tensor.requires_grad:
             walk.params.add(id(tensor))
-    seen: Set[int] = set()
+    seen: Set[object] = set()  # the nodes themselves: alive, so no other node's wrapper takes their ids
     while pending:
         node = pending.pop()
-        if id(node) in seen or id(node) in blocked_ids:
+        if node in seen or node in blocked:
             continue
-        seen.add(id(node))
-        if id(node) in named:
-            walk.reached.add(named[id(node)])
+        seen.add(node)
+        if node in named:
+            walk.reached.add(named[node])
             continue
         if entry is not None and node is entry:
             walk.entry = True

@@ -60,13 +60,13 @@ class CarriedAcrossLayers:
         layers = sorted(self.results)
         for j in layers:
             start = self.spans[j][0]
-            blocked = {id(node) for node in self.arguments[j]}
-            pending, seen = list(self.results[j]), set()
+            blocked = set(self.arguments[j])
+            pending, seen = list(self.results[j]), set()  # nodes, not ids (autograd_walk's docstring)
             while pending:
                 node = pending.pop()
-                if id(node) in seen or id(node) in blocked:
+                if node in seen or node in blocked:
                     continue
-                seen.add(id(node))
+                seen.add(node)
                 number = node._sequence_nr()
                 if number < start:  # made before this layer ran: inside an earlier one, or between
                     inside = next((i for i in layers if i < j and self.spans[i][0] <= number <= self.spans[i][1]), None)
@@ -85,7 +85,7 @@ class CarriedAcrossLayers:
         Args:
             after: paths of the modules that run after the stack (the last stage).
         """
-        named = {id(fn): str(i) for i, fn in self.outputs.items() if fn is not None}
+        named = {fn: str(i) for i, fn in self.outputs.items() if fn is not None}
         end = max(self.outputs, default=-1) + 1
         # Left out: the output a reader takes anyway (a layer's input, an end module's last layer output).
         readers = [(str(j), tensors, j) for j, tensors in sorted(self.side.items())]

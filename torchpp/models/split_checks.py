@@ -49,7 +49,7 @@ def gather_where_width_statistics(model: nn.Module, resolved: Mapping[str, str])
     finally:
         for hook in hooks:
             hook.remove()
-    outputs = {id(seen[n][1].grad_fn): n for n in linears if n in seen and seen[n][1].grad_fn is not None}
+    outputs = {seen[n][1].grad_fn: n for n in linears if n in seen and seen[n][1].grad_fn is not None}
     owners = {id(p): name for name, module in modules.items() for p in module.parameters(recurse=False)}
     plan = dict(resolved)
     for row in rows:
