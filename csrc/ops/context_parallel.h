@@ -79,8 +79,12 @@ BlockKernel choose_kernel(const at::Tensor& q, const at::Tensor& k, const BlockM
 std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const BlockMask& mask, const Shapes& shapes);
 
-// Folds a block result into running (out, lse) by log-sum-exp.
-void merge_block(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, const at::Tensor& block_lse);
+// Folds a block result into running (out, lse) by log-sum-exp; the first block (out undefined)
+// becomes them as it is. block_out is a fresh tensor of the block's: it is scaled in place.
+void merge_block(at::Tensor& out, at::Tensor& lse, at::Tensor block_out, const at::Tensor& block_lse);
+
+// A query piece's (out, lse) where no block reached it: 0 and -inf.
+void fill_unreached(at::Tensor& out, at::Tensor& lse, const at::Tensor& query_piece, at::ScalarType acc_dtype);
 
 // Adds one block's gradients to dq, dk, dv (accumulation dtype) given the merged output `out`
 // (input dtype) and log-sum-exp `lse`: P = exp(S - lse) is then this block's share of the softmax.

@@ -126,14 +126,13 @@ std::tuple<at::Tensor, at::Tensor> all_gather_attention_forward(
   std::vector<at::Tensor> outs, lses;
   RECORD_FUNCTION("torchpp::all_gather_attention::block", std::vector<c10::IValue>());
   for (int64_t i = 0; i < s.shapes.pieces; ++i) {
-    const auto acc = queries[i].options().dtype(s.shapes.acc_dtype);
-    auto out = at::zeros(queries[i].sizes(), acc);
-    auto lse = at::full(queries[i].sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), acc);
+    at::Tensor out, lse;
     for (const auto& span : key_spans(s, i, seq_len, causal, g, q.device())) {
       auto [block_out, block_lse] = block_forward(queries[i], g.kv[0].narrow(2, span.start, span.len),
                                                   g.kv[1].narrow(2, span.start, span.len), span.mask, s.shapes);
-      merge_block(out, lse, block_out, block_lse);
+      merge_block(out, lse, std::move(block_out), block_lse);
     }
+    fill_unreached(out, lse, queries[i], s.shapes.acc_dtype);
     outs.push_back(out);
     lses.push_back(lse);
   }

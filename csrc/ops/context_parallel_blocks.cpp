@@ -198,13 +198,27 @@ std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::T
   return fused_block_forward(kernel, q, k, v, mask.causal, shapes);
 }
 
-void merge_block(at::Tensor& out, at::Tensor& lse, const at::Tensor& block_out, const at::Tensor& block_lse) {
+void merge_block(at::Tensor& out, at::Tensor& lse, at::Tensor block_out, const at::Tensor& block_lse) {
+  if (!out.defined()) {  // no zero-filled accumulator to merge into: saves a pass over [b, h, s, d]
+    out = std::move(block_out);
+    lse = block_lse;
+    return;
+  }
   auto merged = at::logaddexp(lse, block_lse);
   auto base = finite_lse(merged);
   auto keep = at::exp(lse - base).unsqueeze(-1);
   auto take = at::exp(block_lse - base).unsqueeze(-1);
-  out.mul_(keep).add_(block_out * take);
+  out.mul_(keep).add_(block_out.mul_(take));
   lse = merged;
+}
+
+void fill_unreached(at::Tensor& out, at::Tensor& lse, const at::Tensor& query_piece, at::ScalarType acc_dtype) {
+  if (out.defined()) {
+    return;
+  }
+  const auto acc = query_piece.options().dtype(acc_dtype);
+  out = at::zeros(query_piece.sizes(), acc);
+  lse = at::full(query_piece.sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), acc);
 }
 
 void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,

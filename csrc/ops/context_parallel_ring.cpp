@@ -77,12 +77,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
   Ring ring = make_ring(q, group_name, group_size);
   const at::Tensor segments = gather_segments(ring, segment_ids);
   auto queries = split_queries(q, shapes, q.scalar_type());
-  std::vector<at::Tensor> outs, lses;
-  for (const auto& piece : queries) {
-    const auto acc = piece.options().dtype(shapes.acc_dtype);
-    outs.push_back(at::zeros(piece.sizes(), acc));
-    lses.push_back(at::full(piece.sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), acc));
-  }
+  std::vector<at::Tensor> outs(queries.size()), lses(queries.size());  // set by each piece's first block
   const int64_t n = shapes.piece_len;
   at::Tensor kv = at::stack({k, v}).contiguous();  // one message per step
   for (int64_t step = 0; step < ring.size; ++step) {
@@ -97,13 +92,16 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
                      [&](int64_t i, int64_t j, const BlockMask& mask) {
                        auto [out, lse] = block_forward(queries[i], keys.narrow(2, j * n, n),
                                                        values.narrow(2, j * n, n), mask, shapes);
-                       merge_block(outs[i], lses[i], out, lse);
+                       merge_block(outs[i], lses[i], std::move(out), lse);
                      });
     }
     if (incoming.pending()) {
       RECORD_FUNCTION("torchpp::ring_attention::wait", std::vector<c10::IValue>());
       kv = incoming.wait();
     }
+  }
+  for (size_t i = 0; i < queries.size(); ++i) {
+    fill_unreached(outs[i], lses[i], queries[i], shapes.acc_dtype);
   }
   return {join_queries(outs, shapes, q.scalar_type()), join_queries(lses, shapes, shapes.acc_dtype)};
 }
