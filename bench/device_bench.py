@@ -5,6 +5,7 @@ one-rank process group, and each script's results as JSON next to its printout."
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -101,6 +102,7 @@ def single_rank_group(device: torch.device) -> None:
     store = os.path.join(tempfile.mkdtemp(prefix="torchpp_bench_"), "store")
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    atexit.register(dist.destroy_process_group)  # NCCL warns at exit about a group left alive
 
 
 def fmt_ms(times: List[float]) -> str:
