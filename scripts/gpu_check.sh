@@ -71,7 +71,7 @@ if wants tests; then
   # and the ranks' GPU work is small.
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 3 --dist loadfile)
-  run_part "tests/gpu" 160 python3 -m pytest tests/gpu -q -rfEs --timeout 120 -p no:cacheprovider "${workers[@]}"
+  run_part "tests/gpu" 210 python3 -m pytest tests/gpu -q -rfEs --timeout 120 -p no:cacheprovider "${workers[@]}"
 fi
 
 if wants bench; then

@@ -5,15 +5,21 @@ ranks apart by host and device, so a rank given its own ``NCCL_HOSTID`` looks li
 host: NCCL then connects the ranks through its socket transport over the loopback interface.
 That is correct (the same collectives, the same results) but slow, so keep tensors small. Works
 with NCCL 2.28/2.29.
+
+A script meant for one GPU per rank runs on the one GPU under torchrun through this module::
+
+    torchrun --nproc-per-node 2 -m torchpp.testing.one_gpu examples/train_llama.py --tp 1 --pp 2
 """
 from __future__ import annotations
 
 import os
-from typing import Dict
+import runpy
+import sys
+from typing import Dict, List, Optional
 
 import torch
 
-__all__ = ["nccl_environment", "share_one_gpu"]
+__all__ = ["main", "nccl_environment", "share_one_gpu"]
 
 
 def nccl_environment(rank: int) -> Dict[str, str]:
@@ -40,3 +46,21 @@ def share_one_gpu(rank: int) -> torch.device:
     os.environ.update(nccl_environment(rank))
     torch.cuda.set_device(0)
     return torch.device("cuda", 0)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """``python -m torchpp.testing.one_gpu SCRIPT [ARGS...]``, each rank under torchrun: shares GPU 0
+    (``share_one_gpu`` with torchrun's LOCAL_RANK), then runs SCRIPT as ``python SCRIPT ARGS`` would.
+    Without a CUDA device it runs SCRIPT as it is (on the CPU, over gloo)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        raise SystemExit("usage: torchrun --nproc-per-node N -m torchpp.testing.one_gpu SCRIPT [ARGS...]")
+    if torch.cuda.is_available():
+        share_one_gpu(int(os.environ.get("LOCAL_RANK", "0")))
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` sets it
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
