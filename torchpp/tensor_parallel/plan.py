@@ -158,7 +158,7 @@ def apply_sequence_parallel(stack: nn.ModuleList, ctx: TPContext, *, layers: Opt
     Returns:
         The names (``index.child``) of the children run on sequence slices.
     """
-    from torchpp.tensor_parallel.styles import _first_arg_hook, _map_first_output
+    from torchpp.tensor_parallel.hook_styles import _first_arg_hook, _map_first_output
 
     group, dim = ctx.group, sequence_dim
     scatter = lambda x: ops.scatter_to_tp_region(x, group, dim=dim)  # noqa: E731
