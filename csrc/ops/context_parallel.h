@@ -83,11 +83,15 @@ std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::T
 // becomes them as it is. block_out is a fresh tensor of the block's: it is scaled in place.
 void merge_block(at::Tensor& out, at::Tensor& lse, at::Tensor block_out, const at::Tensor& block_lse);
 
+// dq += grad, or dq = grad in the accumulation dtype where dq is still undefined (its first block).
+void add_to_query_grad(at::Tensor& dq, const at::Tensor& grad, at::ScalarType acc_dtype);
+
 // A query piece's (out, lse) where no block reached it: 0 and -inf.
 void fill_unreached(at::Tensor& out, at::Tensor& lse, const at::Tensor& query_piece, at::ScalarType acc_dtype);
 
 // Adds one block's gradients to dq, dk, dv (accumulation dtype) given the merged output `out`
 // (input dtype) and log-sum-exp `lse`: P = exp(S - lse) is then this block's share of the softmax.
+// An undefined dq becomes the block's (add_to_query_grad): no zero-filled accumulator.
 void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                     const at::Tensor& out, const at::Tensor& lse, const BlockMask& mask, const Shapes& shapes,
                     at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);

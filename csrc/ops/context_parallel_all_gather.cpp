@@ -155,14 +155,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_attention_backward(
   {
     RECORD_FUNCTION("torchpp::all_gather_attention::block_backward", std::vector<c10::IValue>());
     for (int64_t i = 0; i < s.shapes.pieces; ++i) {
-      auto dq = at::zeros(queries[i].sizes(), queries[i].options().dtype(s.shapes.acc_dtype));
+      at::Tensor dq;  // set by the piece's first block
       for (const auto& span : key_spans(s, i, seq_len, causal, g, q.device())) {
         auto dk = kv_grads[0].narrow(2, span.start, span.len);
         auto dv = kv_grads[1].narrow(2, span.start, span.len);
         block_backward(queries[i], g.kv[0].narrow(2, span.start, span.len), g.kv[1].narrow(2, span.start, span.len),
                        grads[i], outs[i], lses[i], span.mask, s.shapes, dq, dk, dv);
       }
-      dqs.push_back(dq);
+      dqs.push_back(dq.defined() ? dq : at::zeros(queries[i].sizes(), queries[i].options().dtype(s.shapes.acc_dtype)));
     }
   }
   // Every rank holds partial gradients of every shard: sum them at each shard's owner.

@@ -90,7 +90,8 @@ std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes,
   std::vector<at::Tensor> pieces;
   for (int64_t p = 0; p < shapes.pieces; ++p) {
     pieces.push_back(
-        view.narrow(3, p * shapes.piece_len, shapes.piece_len).to(dtype).reshape(folded).contiguous());
+        // A view where the heads need no regrouping (the kernels take strided rows): no copy of q, out, dout.
+        view.narrow(3, p * shapes.piece_len, shapes.piece_len).to(dtype).reshape(folded));
   }
   return pieces;
 }
@@ -103,7 +104,7 @@ at::Tensor join_queries(const std::vector<at::Tensor>& pieces, const Shapes& sha
     shape.insert(shape.end(), rest.begin(), rest.end());
     grouped.push_back(piece.reshape(shape));
   }
-  auto joined = at::cat(grouped, 3);
+  auto joined = grouped.size() == 1 ? grouped[0] : at::cat(grouped, 3);
   auto rest = joined.sizes().slice(4).vec();
   std::vector<int64_t> shape{shapes.batch, shapes.q_heads, shapes.s_local};
   shape.insert(shape.end(), rest.begin(), rest.end());
@@ -183,7 +184,7 @@ void matmul_block_backward(const at::Tensor& q_in, const at::Tensor& k_in, const
   auto probs = scores(q, k, mask, shapes).sub_(finite_lse(lse).unsqueeze(-1)).exp_();
   dv.add_(at::matmul(probs.transpose(-1, -2), dout));  // sums the query groups of each key head
   auto ds = at::matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs);
-  dq.add_(at::matmul(ds, k), shapes.scale);
+  add_to_query_grad(dq, at::matmul(ds, k).mul_(shapes.scale), acc);
   dk.add_(at::matmul(ds.transpose(-1, -2), q), shapes.scale);
 }
 
@@ -210,6 +211,14 @@ void merge_block(at::Tensor& out, at::Tensor& lse, at::Tensor block_out, const a
   auto take = at::exp(block_lse - base).unsqueeze(-1);
   out.mul_(keep).add_(block_out.mul_(take));
   lse = merged;
+}
+
+void add_to_query_grad(at::Tensor& dq, const at::Tensor& grad, at::ScalarType acc_dtype) {
+  if (dq.defined()) {
+    dq.add_(grad);
+  } else {
+    dq = grad.to(acc_dtype);  // a block's fresh gradient: kept as it is where it has that dtype
+  }
 }
 
 void fill_unreached(at::Tensor& out, at::Tensor& lse, const at::Tensor& query_piece, at::ScalarType acc_dtype) {

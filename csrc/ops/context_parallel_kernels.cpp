@@ -198,7 +198,7 @@ void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Ten
     case BlockKernel::Matmul:
       TORCH_INTERNAL_ASSERT(false, "fused_block_backward called for the matmul path");
   }
-  dq.add_(grouped(dq_block, shapes));
+  add_to_query_grad(dq, grouped(dq_block, shapes), shapes.acc_dtype);
   dk.add_(dk_block);
   dv.add_(dv_block);
 }

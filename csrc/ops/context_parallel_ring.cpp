@@ -118,10 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
   auto grads = split_queries(grad_out, shapes, q.scalar_type());
   auto lses = split_queries(lse, shapes, shapes.acc_dtype);
   auto outs = split_queries(out, shapes, q.scalar_type());
-  std::vector<at::Tensor> dqs;
-  for (const auto& piece : queries) {
-    dqs.push_back(at::zeros(piece.sizes(), piece.options().dtype(shapes.acc_dtype)));
-  }
+  std::vector<at::Tensor> dqs(queries.size());  // set by each piece's first block
   const int64_t n = shapes.piece_len;
   at::Tensor kv = at::stack({k, v}).contiguous();
   Exchange incoming, gradients;
@@ -158,6 +155,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
   }
   if (gradients.pending()) {
     own_grads = gradients.wait();
+  }
+  for (size_t i = 0; i < queries.size(); ++i) {
+    if (!dqs[i].defined()) {  // no block reached the piece
+      dqs[i] = at::zeros(queries[i].sizes(), queries[i].options().dtype(shapes.acc_dtype));
+    }
   }
   return {join_queries(dqs, shapes, q.scalar_type()), own_grads[0].to(k.scalar_type()),
           own_grads[1].to(v.scalar_type())};
