@@ -1,7 +1,9 @@
-"""models.autograd_walk tells autograd nodes apart by the node objects, which its callers hold:
-never by ``id()`` of a wrapper nothing holds (torch 2.11 frees those, and another node's wrapper
-may take the address: tp=2 then left every row-split projection of a Llama whole, found on the
-first GPU run, docs/gpu.md)."""
+"""Structure walks through autograd (which linear feeds which: the TP plan's split checks, plan="auto",
+the pipeline's carried-state checks) tell nodes apart by the node objects, which the walks hold:
+never by ``id()`` of a wrapper nothing holds. torch 2.11 frees those, and another node's wrapper
+may take the address: on the first GPU run (torch 2.11) tp=2 left every row-split projection of a
+Llama whole and failed with a shape error at o_proj (docs/gpu.md). torch 2.13 keeps the wrappers,
+so these check the contract: the walk's named, blocked and entry nodes are the nodes themselves."""
 import torch
 
 from torchpp.models.autograd_walk import walk_back
