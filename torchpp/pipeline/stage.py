@@ -59,7 +59,9 @@ class PipelineStage(StageChunks):
         output_grads, input_grads: examples of the gradients of the outputs and inputs (None
             where none travels). A torchpp gradient always has its tensor's dtype and shape (no
             DTensor layouts), so these only add a check, against output_args and input_args.
-        group: the pipeline-parallel ProcessGroup (or its name; None: the default group).
+        group: the pipeline-parallel ProcessGroup (or its name; None: the default group). torch
+            2.11 and 2.12 take it (and dw_builder) right after output_args, having no gradient
+            examples: a ProcessGroup given in output_grads' position is read as that call.
         dw_builder: as in torch: a callable returning a runner of deferred weight gradients.
             Under split-backward schedules (zb-*, ZB-V, DualPipe) it is called right after each
             microbatch's I pass (a full autograd backward, in which the stage's own layers may
@@ -99,6 +101,11 @@ class PipelineStage(StageChunks):
         tp_group: ops.GroupLike = None,
         split_bw: Optional[bool] = None,
     ):
+        if isinstance(output_grads, dist.ProcessGroup):  # torch 2.11/2.12's positions: (..., output_args, group, dw_builder)
+            if group is not None or dw_builder is not None:
+                raise TypeError(f"torchpp.PipelineStage {stage_index}: a process group in output_grads' position "
+                                f"(torch 2.11's positional group) and group= or dw_builder= as well")
+            group, dw_builder, output_grads, input_grads = output_grads, input_grads, None, None
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"torchpp.PipelineStage: stage_index {stage_index} outside [0, {num_stages})")
         if get_mesh is not None:
