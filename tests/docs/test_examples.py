@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_TIMEOUT_S = 300
@@ -320,6 +321,10 @@ MIGRATION = re.compile(r"step (\d+) loss ([0-9.]+) grad_norm ([0-9.]+)")
 def test_migrating_page_loop_gives_torchs_losses_and_gradients(tmp_path, schedule, frontend):
     """docs/migrating.md: the torchtitan-style loop as written (torch) and with its imports
     changed to torchpp.pipeline prints the same loss and gradient norm at every step."""
+    if schedule == "ZBVZeroBubble" and torch.__version__ < "2.13":
+        pytest.skip(f"torch {torch.__version__}'s own ZB-V fails over gloo at its stages' first exchange (a rank "
+                    f"holding two adjacent stages: 'Pair is not connected'); torchpp's ZB-V is checked against one "
+                    f"process in test_pipeline_torch_names")
     program = python_block("migrating.md", "`titan_loop.py`")
     migrated = program.replace("from torch.distributed.pipelining", "from torchpp.pipeline")
     assert migrated.count("torchpp.pipeline") == 2 and "torch.distributed.pipelining" not in migrated
