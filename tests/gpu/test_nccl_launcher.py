@@ -1,11 +1,17 @@
 """The launcher: 2 and 4 ranks on the one GPU, each with its own NCCL_HOSTID (NCCL then joins
 them over its socket transport on loopback). Collectives and point-to-point over NCCL give the
 values a sum over ranks must give; the ranks really are distinct NCCL hosts."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from torchpp.testing.one_gpu import nccl_environment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def check_collectives():
@@ -34,3 +40,19 @@ def check_collectives():
 def test_ranks_share_one_gpu_over_nccl(gpu_ranks, device, world_size):
     assert gpu_ranks(world_size).run(check_collectives, timeout=180) == [device.type] * world_size
 
+
+
+def test_plain_torchrun_with_two_ranks_on_one_gpu_names_them(device, tmp_path):
+    """Without the launcher, two ranks on the one GPU: torchpp's message on both, not NCCL's
+    'Duplicate GPU detected' from inside a first collective."""
+    if device.type != "cuda":
+        pytest.skip("needs the one GPU: the check reads CUDA device UUIDs")
+    script = tmp_path / "layout.py"
+    script.write_text("import torchpp.parallel\ntorchpp.parallel.init_parallel(pp=2)\n")
+    env = {name: value for name, value in os.environ.items() if name != "NCCL_HOSTID"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], cwd=ROOT, env=dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, "two ranks on one GPU were accepted"
+    named = "rank 0 on cuda:0, rank 1 on cuda:0 are the same GPU"
+    assert named in done.stderr and "Duplicate GPU" not in done.stderr, done.stderr[-4000:]

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchpp.parallel.device_check import check_one_rank_per_device
+
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
 
@@ -204,6 +206,9 @@ def init_parallel(
         _check_restart_store()
         dist.init_process_group(backend, timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if device.type == "cuda" and "nccl" in str(dist.get_backend()) and "LOCAL_WORLD_SIZE" in os.environ:
+        check_one_rank_per_device(dist.distributed_c10d._get_default_store(), device, rank,
+                                  int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["LOCAL_WORLD_SIZE"]))
     dp = _validate(world, tp, pp, cp, dp, num_heads, num_layers)
     _validate_ep(ep, dp, cp)
     grid = mesh_grid(tp, pp, dp, cp, order)
