@@ -6,9 +6,10 @@ process: time (forward + backward) and peak memory (beyond the inputs) of
   2. one block at cp=2 sizes (a rank's contiguous shard: one causal diagonal block, and one
      full block) against SDPA on the same shapes.
 
-Each torchpp row runs twice: on the fused kernels (the default: the CPU flash kernel; CUDA's
-flash for fp16/bf16, memory-efficient for fp32), and on the matmul + softmax path that holds
-each block's scores (TORCHPP_CP_KERNEL=matmul), the path every block took before.
+Each torchpp row runs on the fused kernels (the default: the CPU flash kernel; on CUDA the
+kernel SDPA picks, cuDNN on Hopper, flash for fp16/bf16 elsewhere, memory-efficient for fp32),
+on CUDA again with flash instead of cuDNN (TORCHPP_CP_KERNEL=flash), and on the matmul + softmax
+path that holds each block's scores (TORCHPP_CP_KERNEL=matmul), the path every block took before.
 
     python bench/bench_cp_block.py            # CUDA: seq 8192, 32 heads of 128, bf16
     python bench/bench_cp_block.py --small    # CPU-sized: seq 2048, 4 heads of 64, fp32
@@ -46,7 +47,8 @@ def sdpa_step(qkv, grad, causal):
     return step
 
 
-def torchpp_step(qkv, grad, causal, layout, matmul):
+def torchpp_step(qkv, grad, causal, layout, kernel=None):
+    """torchpp's attention with its own kernel choice, or with TORCHPP_CP_KERNEL=kernel."""
     import torch.distributed as dist
 
     from torchpp.context_parallel import attention
@@ -54,8 +56,8 @@ def torchpp_step(qkv, grad, causal, layout, matmul):
     def step():
         for t in qkv:
             t.grad = None
-        if matmul:
-            os.environ["TORCHPP_CP_KERNEL"] = "matmul"
+        if kernel:
+            os.environ["TORCHPP_CP_KERNEL"] = kernel
         try:
             attention(*qkv, dist.group.WORLD, causal=causal, layout=layout).backward(grad)
         finally:
@@ -66,8 +68,10 @@ def torchpp_step(qkv, grad, causal, layout, matmul):
 def run_case(label, seq, causal, layout, args, device, shape, rows):
     qkv, grad = inputs(shape, seq, device)
     variants = {"SDPA": sdpa_step(qkv, grad, causal),
-                "torchpp fused": torchpp_step(qkv, grad, causal, layout, matmul=False),
-                "torchpp matmul": torchpp_step(qkv, grad, causal, layout, matmul=True)}
+                "torchpp fused": torchpp_step(qkv, grad, causal, layout)}
+    if device.type == "cuda":  # where SDPA picks cuDNN attention (Hopper), the blocks do too: flash for comparison
+        variants["torchpp flash"] = torchpp_step(qkv, grad, causal, layout, kernel="flash")
+    variants["torchpp matmul"] = torchpp_step(qkv, grad, causal, layout, kernel="matmul")
     times = time_variants(variants, device, args.repeats)
     peaks = {name: peak_bytes(fn, device) for name, fn in variants.items()}
     base_t, base_m = median_spread(times["SDPA"])[0], peaks["SDPA"]

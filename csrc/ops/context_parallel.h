@@ -63,15 +63,17 @@ BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, b
                      const at::Tensor& q_segments, const at::Tensor& k_segments, c10::Device device);
 
 // How a block is computed. The fused kernels return the log-sum-exp and hold O(s) memory: the CPU
-// flash kernel, CUDA's flash (fp16/bf16) and memory-efficient (fp32) kernels. Matmul + softmax
-// holds the [sq, sk] scores and serves what they cannot: arbitrary masks (packed sequences),
-// fp64 on CUDA, head sizes the kernels reject.
-enum class BlockKernel { Matmul, FlashCpu, Flash, Efficient };
+// flash kernel, CUDA's cuDNN (SDPA's choice on Hopper; fp16/bf16 without grouped-query heads),
+// flash (fp16/bf16) and memory-efficient (fp32) kernels. Matmul + softmax holds the [sq, sk]
+// scores and serves what they cannot: arbitrary masks (packed sequences), fp64 on CUDA, head
+// sizes the kernels reject.
+enum class BlockKernel { Matmul, FlashCpu, Cudnn, Flash, Efficient };
 
 const char* kernel_name(BlockKernel kernel);
 
 // The kernel for this block's shapes, dtype, device and mask (q grouped [b, hk, g * n, d]).
-// TORCHPP_CP_KERNEL=matmul forces the matmul path (the benchmark's baseline).
+// TORCHPP_CP_KERNEL=matmul forces the matmul path (the benchmark's baseline); =flash keeps blocks
+// SDPA would give cuDNN on flash (or memory-efficient) attention.
 BlockKernel choose_kernel(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes);
 
 // Softmax attention of grouped queries ([b, hk, g * n, d], input dtype) against one key/value
@@ -80,18 +82,21 @@ std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::T
                                                 const BlockMask& mask, const Shapes& shapes);
 
 // Folds a block result into running (out, lse) by log-sum-exp; the first block (out undefined)
-// becomes them as it is. block_out is a fresh tensor of the block's: it is scaled in place.
+// becomes them as it is. block_out is a fresh tensor of the block's: it is scaled in place. A fused
+// kernel's out (input dtype) is widened to lse's accumulation dtype when a second block joins.
 void merge_block(at::Tensor& out, at::Tensor& lse, at::Tensor block_out, const at::Tensor& block_lse);
 
-// dq += grad, or dq = grad in the accumulation dtype where dq is still undefined (its first block).
-void add_to_query_grad(at::Tensor& dq, const at::Tensor& grad, at::ScalarType acc_dtype);
+// sum += grad (in place where sum has the accumulation dtype, else widened to it first), or
+// sum = grad where sum is still undefined (a piece's first block: a fused kernel's gradient stays
+// in the input dtype it was rounded to, with no zero-filled accumulator).
+void accumulate_grad(at::Tensor& sum, const at::Tensor& grad, at::ScalarType acc_dtype);
 
 // A query piece's (out, lse) where no block reached it: 0 and -inf.
 void fill_unreached(at::Tensor& out, at::Tensor& lse, const at::Tensor& query_piece, at::ScalarType acc_dtype);
 
-// Adds one block's gradients to dq, dk, dv (accumulation dtype) given the merged output `out`
-// (input dtype) and log-sum-exp `lse`: P = exp(S - lse) is then this block's share of the softmax.
-// An undefined dq becomes the block's (add_to_query_grad): no zero-filled accumulator.
+// Adds one block's gradients to dq, dk, dv (accumulate_grad: an undefined one becomes the block's)
+// given the merged output `out` (input dtype) and log-sum-exp `lse`: P = exp(S - lse) is then this
+// block's share of the softmax.
 void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                     const at::Tensor& out, const at::Tensor& lse, const BlockMask& mask, const Shapes& shapes,
                     at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);

@@ -102,13 +102,13 @@ at::Tensor join_queries(const std::vector<at::Tensor>& pieces, const Shapes& sha
     auto rest = piece.sizes().slice(3).vec();
     std::vector<int64_t> shape{shapes.batch, shapes.kv_heads, shapes.groups, shapes.piece_len};
     shape.insert(shape.end(), rest.begin(), rest.end());
-    grouped.push_back(piece.reshape(shape));
+    grouped.push_back(piece.reshape(shape).to(dtype));  // pieces may differ: one block's, or widened
   }
   auto joined = grouped.size() == 1 ? grouped[0] : at::cat(grouped, 3);
   auto rest = joined.sizes().slice(4).vec();
   std::vector<int64_t> shape{shapes.batch, shapes.q_heads, shapes.s_local};
   shape.insert(shape.end(), rest.begin(), rest.end());
-  return joined.reshape(shape).to(dtype).contiguous();
+  return joined.reshape(shape).contiguous();
 }
 
 BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal,
@@ -182,10 +182,10 @@ void matmul_block_backward(const at::Tensor& q_in, const at::Tensor& k_in, const
   const auto q = q_in.to(acc), k = k_in.to(acc), v = v_in.to(acc), dout = dout_in.to(acc);
   const auto delta = (dout * out.to(acc)).sum(-1);  // rowsum(dO * O), as flash attention's backward
   auto probs = scores(q, k, mask, shapes).sub_(finite_lse(lse).unsqueeze(-1)).exp_();
-  dv.add_(at::matmul(probs.transpose(-1, -2), dout));  // sums the query groups of each key head
+  accumulate_grad(dv, at::matmul(probs.transpose(-1, -2), dout), acc);  // sums the query groups of each key head
   auto ds = at::matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs);
-  add_to_query_grad(dq, at::matmul(ds, k).mul_(shapes.scale), acc);
-  dk.add_(at::matmul(ds.transpose(-1, -2), q), shapes.scale);
+  accumulate_grad(dq, at::matmul(ds, k).mul_(shapes.scale), acc);
+  accumulate_grad(dk, at::matmul(ds.transpose(-1, -2), q).mul_(shapes.scale), acc);
 }
 
 }  // namespace
@@ -209,15 +209,19 @@ void merge_block(at::Tensor& out, at::Tensor& lse, at::Tensor block_out, const a
   auto base = finite_lse(merged);
   auto keep = at::exp(lse - base).unsqueeze(-1);
   auto take = at::exp(block_lse - base).unsqueeze(-1);
-  out.mul_(keep).add_(block_out.mul_(take));
+  const auto acc = lse.scalar_type();  // a fused kernel's output is in the input dtype: widened to merge
+  out = out.scalar_type() == acc ? out.mul_(keep) : out.to(acc).mul_(keep);
+  out.add_(block_out.scalar_type() == acc ? block_out.mul_(take) : block_out.to(acc).mul_(take));
   lse = merged;
 }
 
-void add_to_query_grad(at::Tensor& dq, const at::Tensor& grad, at::ScalarType acc_dtype) {
-  if (dq.defined()) {
-    dq.add_(grad);
+void accumulate_grad(at::Tensor& sum, const at::Tensor& grad, at::ScalarType acc_dtype) {
+  if (!sum.defined()) {
+    sum = grad;  // a block's fresh gradient, in its kernel's dtype until a second block's is added
+  } else if (sum.scalar_type() == acc_dtype) {
+    sum.add_(grad);  // in place: sum may be a view of a caller's buffer
   } else {
-    dq = grad.to(acc_dtype);  // a block's fresh gradient: kept as it is where it has that dtype
+    sum = sum.to(acc_dtype).add_(grad);
   }
 }
 

@@ -50,10 +50,10 @@ at::Tensor sum_heads(const at::Tensor& grad, const Shapes& shapes) {
   return grad.unflatten(1, {shapes.kv_heads, shapes.groups}).sum(2);
 }
 
-// Read per call (a getenv is cheap next to a block), so a benchmark can compare both paths.
-bool matmul_forced() {
+// Read per call (a getenv is cheap next to a block), so a benchmark can compare the paths.
+bool kernel_forced(const char* name) {
   const char* value = std::getenv("TORCHPP_CP_KERNEL");
-  return value != nullptr && std::strcmp(value, "matmul") == 0;
+  return value != nullptr && std::strcmp(value, name) == 0;
 }
 
 // What SDPA would run for these shapes (honours torch.backends.cuda.enable_*_sdp), or math when
@@ -94,6 +94,8 @@ const char* kernel_name(BlockKernel kernel) {
   switch (kernel) {
     case BlockKernel::FlashCpu:
       return "flash_cpu";
+    case BlockKernel::Cudnn:
+      return "cudnn";
     case BlockKernel::Flash:
       return "flash";
     case BlockKernel::Efficient:
@@ -105,7 +107,7 @@ const char* kernel_name(BlockKernel kernel) {
 }
 
 BlockKernel choose_kernel(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes) {
-  if (mask.allowed.defined() || matmul_forced()) {
+  if (mask.allowed.defined() || kernel_forced("matmul")) {
     return BlockKernel::Matmul;  // a mask the kernels cannot take without an [sq, sk] tensor
   }
   const auto q_heads = per_head(q, shapes);
@@ -121,8 +123,11 @@ BlockKernel choose_kernel(const at::Tensor& q, const at::Tensor& k, const BlockM
     case at::SDPBackend::flash_attention:
       return shapes.head_dim % 8 == 0 ? BlockKernel::Flash : BlockKernel::Efficient;
     case at::SDPBackend::cudnn_attention:
-      // SDPA's first choice on Hopper, but its log-sum-exp and backward take other conventions: the
-      // same shapes run on flash (or memory-efficient) attention, which return the log-sum-exp we merge.
+      // SDPA's first choice on Hopper. Its dense backward takes one head count for queries and keys:
+      // grouped-query blocks (and TORCHPP_CP_KERNEL=flash) run on flash or memory-efficient attention.
+      if (!gqa && !kernel_forced("flash")) {
+        return BlockKernel::Cudnn;
+      }
       if (flash_takes(q, shapes)) {
         return BlockKernel::Flash;
       }
@@ -144,6 +149,13 @@ std::pair<at::Tensor, at::Tensor> fused_block_forward(BlockKernel kernel, const 
       std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q_heads, k, v, 0.0, causal, std::nullopt,
                                                                            shapes.scale);
       break;
+    case BlockKernel::Cudnn: {
+      auto result = at::_scaled_dot_product_cudnn_attention(q_heads, k, v, std::nullopt, /*compute_log_sumexp=*/true,
+                                                            0.0, causal, false, shapes.scale);
+      out = std::get<0>(result);
+      lse = std::get<1>(result).reshape(q_heads.sizes().slice(0, 3));  // cuDNN's [b, h, s, 1] statistics
+      break;
+    }
     case BlockKernel::Flash: {
       auto result = at::_scaled_dot_product_flash_attention(q_heads, k, v, 0.0, causal, false, shapes.scale);
       out = std::get<0>(result);
@@ -161,7 +173,9 @@ std::pair<at::Tensor, at::Tensor> fused_block_forward(BlockKernel kernel, const 
     case BlockKernel::Matmul:
       TORCH_INTERNAL_ASSERT(false, "fused_block_forward called for the matmul path");
   }
-  return {grouped(out.to(shapes.acc_dtype), shapes), grouped(lse.to(shapes.acc_dtype), shapes)};
+  // The output stays in the kernel's dtype (it rounded it there): merge_block widens it only where a
+  // second block joins, so a piece that sees one block never holds an fp32 copy.
+  return {grouped(out, shapes), grouped(lse.to(shapes.acc_dtype), shapes)};
 }
 
 void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -177,6 +191,15 @@ void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Ten
       std::tie(dq_block, dk_block, dv_block) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
           dout_heads, q_heads, k, v, out_heads, lse_heads, 0.0, causal, std::nullopt, shapes.scale);
       break;
+    case BlockKernel::Cudnn: {
+      // Without dropout the kernel never reads its random-number state; the statistics go back in the
+      // [b, h, s, 1] layout its forward made them in.
+      const auto no_rng = at::empty({1}, q.options().dtype(at::kLong));
+      std::tie(dq_block, dk_block, dv_block) = at::_scaled_dot_product_cudnn_attention_backward(
+          dout_heads, q_heads, k, v, out_heads, lse_heads.to(at::kFloat).unsqueeze(-1), no_rng, no_rng, at::Tensor(),
+          at::Tensor(), at::Tensor(), q_heads.size(2), k.size(2), 0.0, causal, shapes.scale);
+      break;
+    }
     case BlockKernel::Flash: {
       // Without dropout the kernel never reads its random-number state.
       const auto no_rng = at::empty({2}, q.options().dtype(at::kLong));
@@ -198,9 +221,9 @@ void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Ten
     case BlockKernel::Matmul:
       TORCH_INTERNAL_ASSERT(false, "fused_block_backward called for the matmul path");
   }
-  add_to_query_grad(dq, grouped(dq_block, shapes), shapes.acc_dtype);
-  dk.add_(dk_block);
-  dv.add_(dv_block);
+  accumulate_grad(dq, grouped(dq_block, shapes), shapes.acc_dtype);
+  accumulate_grad(dk, dk_block, shapes.acc_dtype);
+  accumulate_grad(dv, dv_block, shapes.acc_dtype);
 }
 
 }  // namespace torchpp::cp

@@ -60,6 +60,37 @@ void for_each_block(const Ring& ring, int64_t src, Layout layout, bool causal, c
   }
 }
 
+// Keys and values stacked as one message per ring step; a ring of one rank sends none, so it reads
+// k and v where they are (no copy of either).
+at::Tensor key_value_message(const Ring& ring, const at::Tensor& k, const at::Tensor& v) {
+  return ring.size > 1 ? at::stack({k, v}) : at::Tensor();
+}
+
+// One step's key/value gradients as the message that carries their running sum: [dk, dv] in the
+// accumulation dtype, each key piece copied in (zeros where no block reached it).
+at::Tensor key_value_grads(const std::vector<at::Tensor>& dks, const std::vector<at::Tensor>& dvs,
+                           at::IntArrayRef stacked_sizes, const at::TensorOptions& acc, int64_t piece_len) {
+  auto message = at::empty(stacked_sizes, acc);
+  for (size_t j = 0; j < dks.size(); ++j) {
+    for (const auto& [slot, grad] : {std::pair{0, &dks[j]}, std::pair{1, &dvs[j]}}) {
+      auto piece = message[slot].narrow(2, static_cast<int64_t>(j) * piece_len, piece_len);
+      grad->defined() ? piece.copy_(*grad) : piece.zero_();
+    }
+  }
+  return message;
+}
+
+// A one-rank ring's key (or value) gradient from its pieces, in the input's dtype.
+at::Tensor join_key_pieces(const std::vector<at::Tensor>& pieces, const at::Tensor& like, const Shapes& shapes) {
+  std::vector<at::Tensor> parts;
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    parts.push_back(pieces[j].defined() ? pieces[j].to(like.scalar_type())
+                                        : at::zeros_like(like.narrow(2, static_cast<int64_t>(j) * shapes.piece_len,
+                                                                     shapes.piece_len)));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 2);
+}
+
 Ring make_ring(const at::Tensor& like, c10::string_view group_name, int64_t group_size) {
   Ring ring;
   ring.group = cp_group(like, std::string(group_name), group_size, kOp);
@@ -79,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
   auto queries = split_queries(q, shapes, q.scalar_type());
   std::vector<at::Tensor> outs(queries.size()), lses(queries.size());  // set by each piece's first block
   const int64_t n = shapes.piece_len;
-  at::Tensor kv = at::stack({k, v}).contiguous();  // one message per step
+  at::Tensor kv = key_value_message(ring, k, v);
   for (int64_t step = 0; step < ring.size; ++step) {
     Exchange incoming;
     if (step + 1 < ring.size) {  // posted before this block's compute, so the two overlap
@@ -87,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
     }
     {
       RECORD_FUNCTION("torchpp::ring_attention::block", std::vector<c10::IValue>());
-      const auto keys = kv[0], values = kv[1];
+      const auto keys = kv.defined() ? kv[0] : k, values = kv.defined() ? kv[1] : v;
       for_each_block(ring, ring.source(step), layout, causal, shapes, segments, q.device(),
                      [&](int64_t i, int64_t j, const BlockMask& mask) {
                        auto [out, lse] = block_forward(queries[i], keys.narrow(2, j * n, n),
@@ -120,49 +151,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
   auto outs = split_queries(out, shapes, q.scalar_type());
   std::vector<at::Tensor> dqs(queries.size());  // set by each piece's first block
   const int64_t n = shapes.piece_len;
-  at::Tensor kv = at::stack({k, v}).contiguous();
+  at::Tensor kv = key_value_message(ring, k, v);
+  auto stacked_sizes = k.sizes().vec();
+  stacked_sizes.insert(stacked_sizes.begin(), 2);
   Exchange incoming, gradients;
-  at::Tensor own_grads;
+  at::Tensor own_k, own_v;
   for (int64_t step = 0; step < ring.size; ++step) {
     if (step + 1 < ring.size) {
       incoming = Exchange(*ring.group, kv, at::empty_like(kv), ring.next(), ring.prev(), kKeyValueTag);
     }
-    auto block_grads = at::zeros(kv.sizes(), kv.options().dtype(shapes.acc_dtype));
+    std::vector<at::Tensor> dks(shapes.pieces), dvs(shapes.pieces);  // this step's, per key piece
     {
       RECORD_FUNCTION("torchpp::ring_attention::block_backward", std::vector<c10::IValue>());
-      const auto keys = kv[0], values = kv[1];
+      const auto keys = kv.defined() ? kv[0] : k, values = kv.defined() ? kv[1] : v;
       for_each_block(ring, ring.source(step), layout, causal, shapes, segments, q.device(),
                      [&](int64_t i, int64_t j, const BlockMask& mask) {
-                       auto dk = block_grads[0].narrow(2, j * n, n);
-                       auto dv = block_grads[1].narrow(2, j * n, n);
                        block_backward(queries[i], keys.narrow(2, j * n, n), values.narrow(2, j * n, n), grads[i],
-                                      outs[i], lses[i], mask, shapes, dqs[i], dk, dv);
+                                      outs[i], lses[i], mask, shapes, dqs[i], dks[j], dvs[j]);
                      });
     }
+    if (ring.size == 1) {  // nothing to send: the pieces are the gradients
+      own_k = join_key_pieces(dks, k, shapes);
+      own_v = join_key_pieces(dvs, v, shapes);
+      break;
+    }
+    auto block_grads = key_value_grads(dks, dvs, stacked_sizes, k.options().dtype(shapes.acc_dtype), n);
     if (gradients.pending()) {  // the sum so far for this key/value shard, from the previous rank
       RECORD_FUNCTION("torchpp::ring_attention::wait", std::vector<c10::IValue>());
       block_grads.add_(gradients.wait());
     }
-    if (ring.size > 1) {  // after the last step this send delivers the sum to the shard's owner
-      gradients = Exchange(*ring.group, block_grads, at::empty_like(block_grads), ring.next(), ring.prev(), kGradTag);
-    } else {
-      own_grads = block_grads;
-    }
+    // After the last step this send delivers the sum to the shard's owner.
+    gradients = Exchange(*ring.group, block_grads, at::empty_like(block_grads), ring.next(), ring.prev(), kGradTag);
     if (incoming.pending()) {
       RECORD_FUNCTION("torchpp::ring_attention::wait", std::vector<c10::IValue>());
       kv = incoming.wait();
     }
   }
   if (gradients.pending()) {
-    own_grads = gradients.wait();
+    const auto own_grads = gradients.wait();
+    own_k = own_grads[0].to(k.scalar_type());
+    own_v = own_grads[1].to(v.scalar_type());
   }
   for (size_t i = 0; i < queries.size(); ++i) {
     if (!dqs[i].defined()) {  // no block reached the piece
       dqs[i] = at::zeros(queries[i].sizes(), queries[i].options().dtype(shapes.acc_dtype));
     }
   }
-  return {join_queries(dqs, shapes, q.scalar_type()), own_grads[0].to(k.scalar_type()),
-          own_grads[1].to(v.scalar_type())};
+  return {join_queries(dqs, shapes, q.scalar_type()), own_k, own_v};
 }
 
 }  // namespace

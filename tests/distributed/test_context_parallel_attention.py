@@ -82,6 +82,9 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
     for mode, layout, causal in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"), (True, False)):
         _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False, device=device,
                     dtype=dtype)
+    for mode in ("ring", "all-gather"):  # as many key/value heads as queries: cuDNN's blocks where SDPA picks it
+        _check_case(seq_len, kv_heads=HEADS, mode=mode, layout="zigzag", causal=True, packed=False, device=device,
+                    dtype=dtype)
     for mode, causal in itertools.product(("ring", "all-gather"), (True, False)):  # MQA, packed
         _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=causal, packed=True, device=device,
                     dtype=dtype)
@@ -124,17 +127,25 @@ def test_attention_equals_full_sequence_sdpa(ranks, cp):
     assert ranks(cp).run(check_all_cases, 4 * cp) == [True] * cp
 
 
+def test_one_rank_equals_sdpa_in_its_input_dtype(ranks):
+    """cp=1 sends nothing (no key/value message, gradients joined from their pieces) and bf16
+    blocks keep the kernel's dtype until a second block merges: both against float64 SDPA."""
+    assert ranks(1).run(check_all_cases, 8) == [True]
+    assert ranks(1).run(check_all_cases, 8, torch.device("cpu"), torch.bfloat16) == [True]
+
+
 BLOCK_KERNELS = {"flash_cpu": "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "cudnn": "aten::_scaled_dot_product_cudnn_attention",
                  "flash": "aten::_scaled_dot_product_flash_attention",
                  "efficient": "aten::_scaled_dot_product_efficient_attention"}
 
 
 def _kernels_used(packed: bool, kernel: str = "flash_cpu", device=torch.device("cpu"),
-                  dtype=torch.float64) -> dict:
+                  dtype=torch.float64, kv_heads: int = 2) -> dict:
     """Profiler counts of a block kernel's forward and backward in one forward + backward of ring
     attention."""
     group = dist.group.WORLD
-    q, k, v, grad = (t.to(device, dtype) for t in _inputs(8 * group.size(), kv_heads=2))
+    q, k, v, grad = (t.to(device, dtype) for t in _inputs(8 * group.size(), kv_heads=kv_heads))
     segments = shard_sequence(_segments(q.size(2)), group, dim=1).to(device) if packed else None
     ql, kl, vl = (shard_sequence(t, group, dim=2).requires_grad_() for t in (q, k, v))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -8,7 +8,7 @@ autocast's own linear."""
 import pytest
 import torch
 
-from test_context_parallel_attention import _inputs, _kernels_used, check_all_cases
+from test_context_parallel_attention import HEADS, _inputs, _kernels_used, check_all_cases
 from test_moe_dispatch import check_dispatch_combine
 from test_tp_mappings import check_all_mappings
 from torchpp.pipeline import SplitBWLinear, weight_grad_store
@@ -32,10 +32,16 @@ def test_context_parallel_attention_cp2(gpu_ranks, device, dtype):
     assert gpu_ranks(2).run(check_all_cases, 16, device, dtype, timeout=TIMEOUT_S) == [True, True]
 
 
-def check_block_kernel(device, dtype, kernel):
-    used = _kernels_used(False, kernel or "flash", device, dtype)
-    q, k, _, _ = (t.to(device, dtype) for t in _inputs(8, kv_heads=2))
-    choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True)  # for the message
+def sdpa_picks_cudnn(device, dtype) -> bool:
+    """Whether SDPA would run cuDNN attention on a block of check_block_kernel's ring (4 tokens)."""
+    q, k, _, _ = (t.to(device, dtype)[:, :, :4] for t in _inputs(16, kv_heads=HEADS))
+    return torch._fused_sdp_choice(q, k, k, is_causal=True) == torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value
+
+
+def check_block_kernel(device, dtype, kernel, kv_heads=2):
+    used = _kernels_used(False, kernel or "flash", device, dtype, kv_heads=kv_heads)
+    q, k, _, _ = (t.to(device, dtype) for t in _inputs(8, kv_heads=kv_heads))
+    choice = torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=kv_heads < HEADS)  # for the message
     if kernel is None:
         assert sum(used.values()) == 0, f"{dtype}: a fused kernel ran where none takes it: {used}"
     else:
@@ -51,6 +57,15 @@ def test_context_parallel_blocks_run_fused_kernels(gpu_ranks, device, dtype):
     else:
         kernel = {torch.bfloat16: "flash", torch.float32: "efficient", torch.float64: None}[dtype]
     assert len(gpu_ranks(2).run(check_block_kernel, device, dtype, kernel, timeout=TIMEOUT_S)) == 2
+
+
+def test_context_parallel_blocks_take_sdpa_cudnn_choice(gpu_ranks, device):
+    """bf16 blocks without grouped-query heads run the kernel SDPA picks: cuDNN attention on Hopper
+    (its [b, h, s, 1] statistics merged and handed back to its backward), flash elsewhere."""
+    if device.type == "cpu":
+        pytest.skip("CUDA kernels: the CPU blocks run the CPU flash kernel (test_context_parallel_attention.py)")
+    kernel = "cudnn" if sdpa_picks_cudnn(device, torch.bfloat16) else "flash"
+    assert len(gpu_ranks(2).run(check_block_kernel, device, torch.bfloat16, kernel, HEADS, timeout=TIMEOUT_S)) == 2
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
