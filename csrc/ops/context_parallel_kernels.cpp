@@ -81,6 +81,13 @@ at::Tensor padded_lse(const at::Tensor& lse) {
   return out;
 }
 
+// A block cuDNN refuses (a configuration its graph cannot build) runs on flash, which takes the
+// same merged statistics: said once, with cuDNN's reason, rather than failing the step.
+void warn_cudnn_declined(const c10::Error& error) {
+  TORCH_WARN_ONCE("torchpp: cuDNN attention declined a context-parallel block (", error.what_without_backtrace(),
+                  "); such blocks run on flash attention (TORCHPP_CP_KERNEL=flash chooses it up front)");
+}
+
 bool flash_takes(const at::Tensor& q, const Shapes& shapes) {
   // The flash kernel wants fp16/bf16 and head sizes a multiple of 8 up to 256 (SDPA pads them; we would copy).
   const auto dtype = q.scalar_type();
@@ -149,13 +156,18 @@ std::pair<at::Tensor, at::Tensor> fused_block_forward(BlockKernel kernel, const 
       std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q_heads, k, v, 0.0, causal, std::nullopt,
                                                                            shapes.scale);
       break;
-    case BlockKernel::Cudnn: {
-      auto result = at::_scaled_dot_product_cudnn_attention(q_heads, k, v, std::nullopt, /*compute_log_sumexp=*/true,
-                                                            0.0, causal, false, shapes.scale);
-      out = std::get<0>(result);
-      lse = std::get<1>(result).reshape(q_heads.sizes().slice(0, 3));  // cuDNN's [b, h, s, 1] statistics
-      break;
-    }
+    case BlockKernel::Cudnn:
+      try {
+        auto result = at::_scaled_dot_product_cudnn_attention(q_heads, k, v, std::nullopt,
+                                                              /*compute_log_sumexp=*/true, 0.0, causal, false,
+                                                              shapes.scale);
+        out = std::get<0>(result);
+        lse = std::get<1>(result).reshape(q_heads.sizes().slice(0, 3));  // cuDNN's [b, h, s, 1] statistics
+        break;
+      } catch (const c10::Error& error) {
+        warn_cudnn_declined(error);
+      }
+      [[fallthrough]];
     case BlockKernel::Flash: {
       auto result = at::_scaled_dot_product_flash_attention(q_heads, k, v, 0.0, causal, false, shapes.scale);
       out = std::get<0>(result);
@@ -191,15 +203,19 @@ void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Ten
       std::tie(dq_block, dk_block, dv_block) = at::_scaled_dot_product_flash_attention_for_cpu_backward(
           dout_heads, q_heads, k, v, out_heads, lse_heads, 0.0, causal, std::nullopt, shapes.scale);
       break;
-    case BlockKernel::Cudnn: {
-      // Without dropout the kernel never reads its random-number state; the statistics go back in the
-      // [b, h, s, 1] layout its forward made them in.
-      const auto no_rng = at::empty({1}, q.options().dtype(at::kLong));
-      std::tie(dq_block, dk_block, dv_block) = at::_scaled_dot_product_cudnn_attention_backward(
-          dout_heads, q_heads, k, v, out_heads, lse_heads.to(at::kFloat).unsqueeze(-1), no_rng, no_rng, at::Tensor(),
-          at::Tensor(), at::Tensor(), q_heads.size(2), k.size(2), 0.0, causal, shapes.scale);
-      break;
-    }
+    case BlockKernel::Cudnn:
+      try {
+        // Without dropout the kernel never reads its random-number state; the statistics go back in
+        // the [b, h, s, 1] layout its forward made them in.
+        const auto no_rng = at::empty({1}, q.options().dtype(at::kLong));
+        std::tie(dq_block, dk_block, dv_block) = at::_scaled_dot_product_cudnn_attention_backward(
+            dout_heads, q_heads, k, v, out_heads, lse_heads.to(at::kFloat).unsqueeze(-1), no_rng, no_rng,
+            at::Tensor(), at::Tensor(), at::Tensor(), q_heads.size(2), k.size(2), 0.0, causal, shapes.scale);
+        break;
+      } catch (const c10::Error& error) {
+        warn_cudnn_declined(error);
+      }
+      [[fallthrough]];
     case BlockKernel::Flash: {
       // Without dropout the kernel never reads its random-number state.
       const auto no_rng = at::empty({2}, q.options().dtype(at::kLong));
