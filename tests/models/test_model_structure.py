@@ -109,8 +109,9 @@ def test_auto_plan_norms_between_the_split_linears():
 class _ToyLayer(torch.nn.Module):
     """Branches on the residual stream: a -> b -> c where c reads a too (Mamba's in_proj -> x_proj ->
     out_proj); an MLP (up -> down); a low-rank pair lo_a -> lo_b -> lo_c (MLA's q_a -> q_b -> o); r
-    feeding the writer w while m, feeding the writer u, reads r's output too; and q -> o reading the
-    stream scaled by a mix that mix_down -> mix_up computes (a hyper-connection)."""
+    feeding the writer w while m, feeding u, reads r's output too (r's second writer: its output is
+    whole again after the all-reduce); and q -> o reading the stream scaled by a mix that
+    mix_down -> mix_up computes (a hyper-connection)."""
 
     def __init__(self, width=8, mixer_only=False):
         super().__init__()
@@ -154,29 +155,28 @@ def test_auto_plan_keeps_whole_what_depends_on_a_linear_between_others(caplog):
     with caplog.at_level(logging.INFO, logger="torchpp"):
         plan, _ = auto_plans(_ToyModel())
     # The independent MLP splits; so does q -> o: q reads the stream, scaled by what linears kept whole
-    # (mix_down -> mix_up) compute whole on every rank.
+    # (mix_down -> mix_up) compute whole on every rank. r feeds two writers: w (into the stream) and m,
+    # whose output (whole after its all-reduce) only u reads.
     assert plan == {"layers.*.up": "colwise", "layers.*.down": "rowwise", "layers.*.q": "colwise",
-                    "layers.*.o": "rowwise"}
+                    "layers.*.o": "rowwise", "layers.*.r": "colwise", "layers.*.w": "rowwise", "layers.*.m": "rowwise"}
     whole = dict(line.strip().split(": kept whole ", 1) for line in caplog.text.splitlines() if ": kept whole " in line)
     assert whole == {
-        "layers.*.a": "(its output goes to b, which does not write back into the residual stream)",
-        "layers.*.b": "(sits between linears: reads a's output, not the residual stream)",
-        "layers.*.c": "(writes back into the residual stream from b, which does not read it alone)",
+        "layers.*.b": "(with its readers a: c also reads its reader a's output)",  # split, c would see a's shard
+        "layers.*.c": "(writes back into the residual stream itself (no linear after it to split by rows))",
+        # Low-rank pairs: their writers' outputs are wider than what a split would save.
         "layers.*.lo_a": "(its output goes to lo_b, which does not write back into the residual stream)",
         "layers.*.lo_b": "(sits between linears: reads lo_a's output, not the residual stream)",
         "layers.*.lo_c": "(writes back into the residual stream from lo_b, which does not read it alone)",
-        "layers.*.w": "(with its readers r: m also reads its reader r's output)",  # split, m would see r's shard
-        "layers.*.m": "(sits between linears: reads r's output, not the residual stream)",
-        "layers.*.u": "(writes back into the residual stream from m, which does not read it alone)",
+        "layers.*.u": "(writes back into the residual stream itself (no linear after it to split by rows))",
         "layers.*.mix_down": "(its output goes to mix_up, which does not write back into the residual stream)",
         "layers.*.mix_up": "(sits between linears: reads mix_down's output, not the residual stream)",
     }, caplog.text
-    assert "linears split per layer: _ToyLayer 4/16" in caplog.text
+    assert "linears split per layer: _ToyLayer 7/16" in caplog.text
 
 
 def test_auto_plan_that_splits_nothing_says_why():
-    with pytest.raises(PlanError, match=r"nothing in layers splits: layers\.0\.b stays whole: sits between "
-                                        r"linears: reads a's output"):
+    with pytest.raises(PlanError, match=r"nothing in layers splits: layers\.0\.b stays whole: with its readers a: "
+                                        r"c also reads its reader a's output"):
         auto_plans(_ToyModel(mixer_only=True))
     with pytest.raises(PlanError, match=r"nothing in model\.layers splits over tp=2: model\.layers\.0\.mlp\.router"
                                         r"\.layer stays whole: writes back into the residual stream itself"):

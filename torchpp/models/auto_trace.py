@@ -172,6 +172,10 @@ class LayerTrace:
                 f"its output goes to {self._relative(read_by[0])}, which does not write back into the residual stream"
                 if read_by else "feeds no linear writing back into the residual stream")
 
+    def _width(self, name: str) -> int:
+        """A linear's output features."""
+        return self.linears[name][1].shape[-1]
+
     def _relative(self, name: str) -> str:
         return name[len(self.path) + 1:]
 
@@ -194,13 +198,37 @@ class LayerTrace:
 
     def _round(self, seen, reaching_output, whole_outputs):
         """(readers, writers, {writer: why its group stays whole}, {linear the rule cannot decide: why}) when
-        readers are the linears reading the residual stream and else only ``whole_outputs``."""
-        readers = {n for n, (before, from_input, _) in seen.items() if (from_input or before & reaching_output)
-                   and before <= whole_outputs}
+        readers are the linears reading the residual stream and else only ``whole_outputs``.
+
+        A writer's output is whole on every rank (its all-reduce), so it may feed readers of its own
+        even where it does not write back into the stream: a block without residual adds (Zamba's
+        shared transformer: attention, then its MLP on o_proj's output, then a projection) splits
+        group by group. Such an *inner* writer's output must reach only linears reading whole
+        tensors (a linear mixing it with a split reader's output keeps it whole), and its readers'
+        outputs together must be no narrower than its own and than the stream: a low-rank pair
+        (MLA's q_a -> q_b, a LoRA adapter) would all-reduce q_b's heads to save a sliver of compute
+        and leave the attention after it whole; a router's or a hyper-connection's small inner MLP
+        would pay two collectives for less. Stream writers keep the rule above, as before.
+        Inner writers are found to a fixed point."""
+        inner: set = set()
+        stream = self.input.shape[-1]
+        for _ in range(len(self.linears) + 1):
+            full = reaching_output | inner
+            readers = {n for n, (before, from_input, _) in seen.items() if (from_input or before & full)
+                       and before <= whole_outputs | inner}
+            pairs = {n for n in set(self.linears) - reaching_output
+                     if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output
+                     and sum(map(self._width, seen[n][0])) >= max(self._width(n), stream)}
+            found = {w for w in pairs if all(seen[n][0] <= whole_outputs | pairs for n in seen if w in seen[n][0])}
+            if found == inner:
+                break
+            inner = found
         writers = {n for n in reaching_output if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output}
+        writers |= inner
         colwise = set().union(*(seen[w][0] for w in writers)) if writers else set()
         undecided = {n: self._why_undecided(n, seen, readers, reaching_output, writers)
-                     for n in sorted((set(self.linears) - readers - reaching_output) | (colwise & reaching_output)
+                     for n in sorted((set(self.linears) - readers - reaching_output - writers)
+                                     | (colwise & reaching_output)
                                      | {n for n in reaching_output - writers if n not in readers})}
         return readers, writers, self._unsafe_writers(writers, seen, undecided), undecided
 
