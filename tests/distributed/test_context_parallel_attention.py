@@ -134,6 +134,12 @@ def test_one_rank_equals_sdpa_in_its_input_dtype(ranks):
     assert ranks(1).run(check_all_cases, 8, torch.device("cpu"), torch.bfloat16) == [True]
 
 
+def test_bf16_ring_widens_what_it_merges_and_sends(ranks):
+    # bf16 pieces of one block, widened pieces of two, and the float32 key/value gradient messages
+    # assembled from both, at cp=2 (RELATIVE_TOL: the kernels round P to 8 bits).
+    assert ranks(2).run(check_all_cases, 8, torch.device("cpu"), torch.bfloat16) == [True, True]
+
+
 BLOCK_KERNELS = {"flash_cpu": "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "cudnn": "aten::_scaled_dot_product_cudnn_attention",
                  "flash": "aten::_scaled_dot_product_flash_attention",
