@@ -12,7 +12,8 @@ with a PlanError naming what and why (2 gloo ranks, tiny float32 models, seconds
   once failed on every rank at the first forward, with an AttributeError);
 - a tensor a layer computes and a later layer reads without it passing through their arguments
   (kept on a module between the calls): the later stage never computes it. A cut that keeps
-  both layers on one stage is not refused.
+  both layers on one stage is not refused. So for state outside autograd (an integer tensor a
+  layer stores on the model, read by a later layer or after the stack).
 """
 import pytest
 import torch
@@ -90,6 +91,54 @@ def wrap_stashing(split):
         return run_case(attempt)
     finally:
         torchpp.destroy_parallel()
+
+
+def counting_llama(read_after_stack: bool):
+    """A tiny Llama whose layer 0 stores an integer tensor on the model (outside autograd), which
+    layer 2, or the final norm after the stack, reads back to scale its output."""
+    from torchpp.testing.tiny_models import tiny_model
+
+    model = tiny_model("llama", dtype=torch.float32)
+    layer0, reader = model.model.layers[0], (model.model.norm if read_after_stack else model.model.layers[2])
+    forward0, forward_reader = layer0.forward, reader.forward
+
+    def writing(*args, **kwargs):
+        model.model.calls = torch.tensor(2)  # an integer: no autograd node joins it to layer 0
+        return forward0(*args, **kwargs)
+
+    def reading(*args, **kwargs):
+        out = forward_reader(*args, **kwargs)
+        scale = model.model.calls.to(torch.float32)
+        return (out[0] * scale, *out[1:]) if isinstance(out, tuple) else out * scale
+    layer0.forward, reader.forward = writing, reading
+    return model
+
+
+def wrap_counting(read_after_stack, split):
+    import torchpp
+    from torchpp.models import parallelize
+
+    def attempt():
+        state = torchpp.init_parallel(tp=1, pp=2)
+        parallelize(counting_llama(read_after_stack), state=state, schedule="1f1b", n_microbatches=2, split=split)
+    try:
+        return run_case(attempt)
+    finally:
+        torchpp.destroy_parallel()
+
+
+@pytest.mark.timeout(200)
+def test_module_state_outside_autograd_read_by_a_later_stage(ranks):
+    """Integer (or detached) state a layer stores on a module, outside the autograd graph that the
+    carried-tensor check walks: the module attributes written and read during the trace tell."""
+    outcomes = ranks(2).run(wrap_counting, False, None, timeout=90)
+    assert_outcomes(outcomes, "PlanError", ["model.layers.2 reads a tensor computed inside model.layers.0",
+                                            "stage starting at model.layers.2"], within_s=WITHIN_S)
+    outcomes = ranks(2).run(wrap_counting, False, [3], timeout=90)  # layers 0 to 2 on the first stage
+    assert_outcomes(outcomes, None, within_s=WITHIN_S)
+    outcomes = ranks(2).run(wrap_counting, True, None, timeout=90)  # the final norm, on the last stage
+    assert_outcomes(outcomes, "PlanError", ["the model's forward after the stack reads a tensor computed inside "
+                                            "model.layers.0"], within_s=WITHIN_S)
 
 
 @pytest.mark.timeout(150)

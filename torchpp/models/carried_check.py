@@ -109,13 +109,15 @@ def check_cut(stack: str, reads: Dict[str, Tuple[int, Tuple[int, ...]]], bounds:
         stack: path of the stack of layers.
         reads: ``PipelineLayout.reads``.
         bounds: [0, first layer of stage 1, ..., number of layers].
-        reads_inside: ``PipelineLayout.reads_inside``.
+        reads_inside: ``PipelineLayout.reads_inside`` (a reader named by a string runs after the stack).
     """
     for reader, layers in (reads_inside or {}).items():
-        first = bounds[bisect_right(bounds, reader) - 1]
+        at = bounds[-1] - 1 if isinstance(reader, str) else reader  # after the stack: on the last stage
+        first = bounds[bisect_right(bounds, at) - 1]
         unreachable = [i for i in layers if i < first]
         if unreachable:
-            raise PlanError(f"torchpp.parallelize: {stack}.{reader} reads a tensor computed inside {stack}."
+            name = reader if isinstance(reader, str) else f"{stack}.{reader}"
+            raise PlanError(f"torchpp.parallelize: {name} reads a tensor computed inside {stack}."
                             f"{unreachable[0]} that the model keeps between the calls itself, not as a layer's argument "
                             f"or output (on a module, say): the stage starting at {stack}.{first} never computes it, "
                             f"so its value and gradient would be wrong; choose split= so that no stage starts between "

@@ -27,6 +27,7 @@ from torch import nn
 
 from torchpp.models.autograd_walk import tensors_in, walk_back
 from torchpp.models.carried_check import CarriedAcrossLayers, other_inputs
+from torchpp.models.module_state import AFTER_STACK, StateOnModules
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.models.traced_forward import traced_forward, untracked_layers_error
 
@@ -46,7 +47,8 @@ def traced_layout(model: nn.Module, layout: PipelineLayout) -> PipelineLayout:
     """
     candidates = list(layout.before) + list(layout.after)
     try:
-        first_call, start, end, reached, extras, state, handed, carried, untracked = _trace(model, layout, candidates)
+        first_call, start, end, reached, extras, state, handed, carried, untracked, writes = _trace(
+            model, layout, candidates)
     except Exception:  # noqa: BLE001 - a model that cannot run here keeps the registration order
         return layout
     if untracked:
@@ -61,8 +63,13 @@ def traced_layout(model: nn.Module, layout: PipelineLayout) -> PipelineLayout:
     before = [p for p in rest if first_call.get(p, end + 1) < start or (p not in first_call and p in registered_before)]
     after = [p for p in rest if p not in before]
     by_call = lambda p: first_call.get(p, float("inf"))  # noqa: E731 - modules that never ran keep their place
+    reads_inside = carried.reads_inside()
+    for reader, writers in writes.reads_inside().items():  # module state outside autograd (integers, masks)
+        reads_inside[reader] = tuple(sorted(set(reads_inside.get(reader, ())) | set(writers)))
+    if writes.read_after_stack():
+        reads_inside[AFTER_STACK] = writes.read_after_stack()
     return PipelineLayout(layout.layers, sorted(before, key=by_call), sorted(after, key=by_call), shared, extras,
-                          state, carried.reads(after), carried.reads_inside())
+                          state, carried.reads(after), reads_inside)
 
 
 def _holds_any(module: nn.Module, reached: Set[int]) -> bool:
@@ -72,7 +79,7 @@ def _holds_any(module: nn.Module, reached: Set[int]) -> bool:
 def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str]):
     """(first call index of each candidate, index at the first layer's start, index at the last
     layer's end, ids of the parameters reaching the layers' other inputs, the layers' extra
-    outputs: ``PipelineLayout.extras``)."""
+    outputs: ``PipelineLayout.extras``, ..., the module state layers wrote and read)."""
     counter = itertools.count()
     first_call: Dict[str, int] = {}
     side: List[torch.Tensor] = []
@@ -83,6 +90,7 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str]):
     layers = list(get_submodule(model, layout.layers))
     hooks = []
     carried = CarriedAcrossLayers()
+    writes = StateOnModules()
 
     def on_call(path):
         def hook(module, args):
@@ -98,10 +106,12 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str]):
             side.extend(tensors_in(others))
             carried.side.setdefault(index, other_inputs(others))
             carried.enter(index, args, kwargs)
+            writes.enter(index)
         return hook
 
     def on_layer_exit(index):
         def hook(module, args, kwargs, output):
+            writes.leave()
             marks["end"] = next(counter)
             carried.leave(index, output)
             exits.update(t.grad_fn for t in tensors_in([output]) if t.grad_fn is not None)
@@ -142,7 +152,8 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str]):
         hooks.append(layer.register_forward_pre_hook(on_layer(index), with_kwargs=True))
         hooks.append(layer.register_forward_hook(on_layer_exit(index), with_kwargs=True))
     try:
-        traced_forward(model)
+        with writes.watching():
+            traced_forward(model)
     finally:
         for hook in hooks:
             hook.remove()
@@ -151,4 +162,4 @@ def _trace(model: nn.Module, layout: PipelineLayout, candidates: List[str]):
     # ... or whose integer outputs steer the rest of the forward: zeros in their place would change it.
     handed = {path for path, ptrs in outputs.items() if ptrs & side_storage} | steering
     return (first_call, marks["start"], marks["end"], walk_back(side, blocked=exits).params, extras, state, handed,
-            carried, untracked)
+            carried, untracked, writes)

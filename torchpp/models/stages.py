@@ -51,8 +51,10 @@ class PipelineLayout:
             layers, the layer outputs read)} (``torchpp.models.carried_check``). A stage receives
             the output of the layer before its first; one of an earlier layer cannot reach it.
         reads_inside: {layer index: earlier layers whose computation it reads other than through
-            its arguments (a tensor kept on a module between the calls)}: no stage may start
-            between them (``torchpp.models.carried_check``).
+            its arguments (a tensor kept on a module between the calls: through autograd, or a
+            module attribute, ``torchpp.models.module_state``)}: no stage may start between
+            them (``torchpp.models.carried_check``). The key ``module_state.AFTER_STACK``: what
+            the model reads after the stack (the last stage must hold those layers).
     """
 
     layers: str
@@ -62,7 +64,7 @@ class PipelineLayout:
     extras: Dict[int, Tuple[bool, ...]] = field(default_factory=dict)
     layer_state: Dict[int, Tuple[str, Tuple[Tuple[str, int], ...]]] = field(default_factory=dict)
     reads: Dict[str, Tuple[int, Tuple[int, ...]]] = field(default_factory=dict)
-    reads_inside: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
+    reads_inside: Dict[object, Tuple[int, ...]] = field(default_factory=dict)
 
 
 def get_submodule(model: nn.Module, path: str) -> nn.Module:
