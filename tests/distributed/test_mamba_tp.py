@@ -50,9 +50,9 @@ def test_mamba_mixers_split_by_channels(ranks):
         assert details[5].endswith("BambaDecoderLayer 5/5"), details
         assert details[6].endswith("GraniteMoeHybridDecoderLayer 4/4"), details
         # Zamba's shared transformer (attention, then its MLP on o_proj's output: no residual add between)
-        # splits too, group by group (2/11 and 2/10 before: inner writers); Zamba 2's MLP stays whole
-        # (its LoRA adapter's low-rank output joins gate_up_proj's)
-        assert details[7].endswith("Zamba2MambaDecoderLayer 2/2, Zamba2HybridLayer 6/11"), details
+        # splits too, group by group (2/11 and 2/10 before: inner writers); Zamba 2's MLP splits with its
+        # LoRA adapter: A whole, B by columns beside gate_up_proj (6/11 before: latents)
+        assert details[7].endswith("Zamba2MambaDecoderLayer 2/2, Zamba2HybridLayer 9/11"), details
         assert details[8].endswith("FalconH1DecoderLayer 9/9") and details[9].endswith("9/9"), details  # (7/9 before)
         assert details[10].endswith("ZambaMambaDecoderLayer 2/2, ZambaHybridLayer 9/10"), details  # (nothing before)
 

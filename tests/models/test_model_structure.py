@@ -108,7 +108,7 @@ def test_auto_plan_norms_between_the_split_linears():
 
 class _ToyLayer(torch.nn.Module):
     """Branches on the residual stream: a -> b -> c where c reads a too (Mamba's in_proj -> x_proj ->
-    out_proj); an MLP (up -> down); a low-rank pair lo_a -> lo_b -> lo_c (MLA's q_a -> q_b -> o); r
+    out_proj); an MLP (up -> down); a low-rank projection lo_a widened by lo_b, then lo_c (MLA's q_a -> q_b -> o); r
     feeding the writer w while m, feeding u, reads r's output too (r's second writer: its output is
     whole again after the all-reduce); and q -> o reading the stream scaled by a mix that
     mix_down -> mix_up computes (a hyper-connection)."""
@@ -156,22 +156,23 @@ def test_auto_plan_keeps_whole_what_depends_on_a_linear_between_others(caplog):
         plan, _ = auto_plans(_ToyModel())
     # The independent MLP splits; so does q -> o: q reads the stream, scaled by what linears kept whole
     # (mix_down -> mix_up) compute whole on every rank. r feeds two writers: w (into the stream) and m,
-    # whose output (whole after its all-reduce) only u reads.
+    # whose output (whole after its all-reduce) only u reads. lo_a's narrow output is whole, so lo_b,
+    # which widens it, reads a whole tensor: it splits by columns for lo_c (MLA's q_b for o_proj).
     assert plan == {"layers.*.up": "colwise", "layers.*.down": "rowwise", "layers.*.q": "colwise",
-                    "layers.*.o": "rowwise", "layers.*.r": "colwise", "layers.*.w": "rowwise", "layers.*.m": "rowwise"}
+                    "layers.*.o": "rowwise", "layers.*.r": "colwise", "layers.*.w": "rowwise", "layers.*.m": "rowwise",
+                    "layers.*.lo_b": "colwise", "layers.*.lo_c": "rowwise"}
     whole = dict(line.strip().split(": kept whole ", 1) for line in caplog.text.splitlines() if ": kept whole " in line)
     assert whole == {
         "layers.*.b": "(with its readers a: c also reads its reader a's output)",  # split, c would see a's shard
         "layers.*.c": "(writes back into the residual stream itself (no linear after it to split by rows))",
-        # Low-rank pairs: their writers' outputs are wider than what a split would save.
-        "layers.*.lo_a": "(its output goes to lo_b, which does not write back into the residual stream)",
-        "layers.*.lo_b": "(sits between linears: reads lo_a's output, not the residual stream)",
-        "layers.*.lo_c": "(writes back into the residual stream from lo_b, which does not read it alone)",
+        "layers.*.lo_a": "(a low-rank projection (2 features, the stream 8) that lo_b widens back up: computed whole "
+                         "on every rank)",
         "layers.*.u": "(writes back into the residual stream itself (no linear after it to split by rows))",
-        "layers.*.mix_down": "(its output goes to mix_up, which does not write back into the residual stream)",
-        "layers.*.mix_up": "(sits between linears: reads mix_down's output, not the residual stream)",
+        "layers.*.mix_down": "(a low-rank projection (2 features, the stream 8) that mix_up widens back up: computed "
+                             "whole on every rank)",
+        "layers.*.mix_up": "(its output mixes into the stream q reads, which needs it whole)",
     }, caplog.text
-    assert "linears split per layer: _ToyLayer 7/16" in caplog.text
+    assert "linears split per layer: _ToyLayer 9/16" in caplog.text
 
 
 def test_auto_plan_that_splits_nothing_says_why():
@@ -302,7 +303,13 @@ def test_elsewhere_shows_the_modules_own_tensors_without_memory():
 
 def test_auto_plan_reads_head_counts_per_layer_of_a_heterogeneous_config():
     # dots3_note's config holds its head counts per layer and refuses a model-wide read: the rule
-    # reads each layer's own; its low-rank attention (q_a -> q_b -> o) stays whole, its MLPs split.
+    # reads each layer's own. Its MLA splits as Megatron's does: the down projections q_a and kv_a
+    # whole, q_b and kv_b by columns, o by rows; kv_a's rotary key reaches the heads directly, so
+    # the f moves onto kv_a's output and kv_b has none (its norm's gradients summed over TP).
     plan, _ = auto_plans(tiny_model("dots3_note"), tp=2)
     assert plan["model.layers.0.mlp.down_proj"] == "rowwise" and plan["model.layers.1.mlp.shared_experts.up_proj"]
-    assert not any(".self_attn." in name for name in plan), plan
+    attention = {name.rpartition(".")[2]: style for name, style in plan.items() if ".self_attn." in name}
+    assert attention == {"q_b_proj": "colwise", "kv_b_proj": "colwise_after_copy", "o_proj": "rowwise",
+                         "kv_a_proj_with_mqa": "replicated_copy_output", "g_proj": "colwise",
+                         "kv_a_layernorm": "replicated_with_grad_allreduce",
+                         "k_rope_only_layernorm": "replicated_with_grad_allreduce"}, plan

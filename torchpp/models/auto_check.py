@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from torchpp.models.auto_fused_qkv import fused_qkv_variants
-from torchpp.models.auto_trace import is_linear
+from torchpp.models.auto_trace import WHOLE_STYLES, is_linear
 from torchpp.tensor_parallel.head_inputs import (head_inputs_style, parse_head_inputs_style, per_head_inputs,
                                                  slice_head_inputs)
 from torchpp.tensor_parallel.random import rng_restored
@@ -161,7 +161,7 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
     writer = _writer(group)
     for name, style in group.items():
         target = _get(layer, name)
-        if isinstance(target, nn.Module) and style != "replicated_with_grad_allreduce" and \
+        if isinstance(target, nn.Module) and style not in WHOLE_STYLES and \
                 parse_head_inputs_style(style) is None:
             try:
                 check_own_forward(target, None, name, style)
@@ -241,7 +241,7 @@ def _shard(layer: nn.Module, group: Dict[str, str], ctx: TPContext, rank: int) -
     from torchpp.models.auto_plan import divide_head_attributes
 
     for name, style in group.items():
-        if style == "replicated_with_grad_allreduce":
+        if style in WHOLE_STYLES:  # forward unchanged (an f is the identity there)
             continue
         target = _get(layer, name)
         if parse_head_inputs_style(style) is not None:  # the attention's per-head inputs: this rank's heads

@@ -13,9 +13,14 @@ split by columns, those writing back into it by rows).
   width (every head at once) makes that group gather its outputs instead
   (``colwise_gather_output``, the writer ``rowwise_split_input``, as transformers' OLMo 2 plan
   does). A reader that also writes (a router's gate) stays replicated.
+- A low-rank projection of whole inputs that a linear reading nothing else widens back up (MLA's
+  q_a and kv_a, a LoRA adapter's A) stays whole, as Megatron keeps MLA's down projections; what
+  widens it reads a whole tensor and is a group's reader. Where the latent also reaches the
+  writer directly (MLA's rotary key), the group's f sits on the latent's output
+  (``replicated_copy_output``) and its widening linear has none (``colwise_after_copy``).
 - What the rule cannot decide stays whole (replicated), as DeepSpeed's AutoTP leaves the linears
-  it does not recognise: a linear between two others (a low-rank projection's second half, a
-  state-space mixer's ``x_proj``, a router's inner MLP), and every group depending on one: where a
+  it does not recognise: a linear between two others (a state-space mixer's ``x_proj``, a
+  router's inner MLP), and every group depending on one: where a
   reader's output goes two ways (into its writer and back into the stream), where a linear other
   than the writer reads a reader's output (it would see a shard), or where the group shares a
   reader with such a group. The other groups of the layer still split. The log names each module
@@ -43,7 +48,7 @@ import torch
 from torch import nn
 
 from torchpp.models.auto_fused_qkv import FUSED_QKV_STYLES, local_key_value_counts
-from torchpp.models.auto_trace import PACKED_STYLES, LayerTrace, is_linear
+from torchpp.models.auto_trace import PACKED_STYLES, WHOLE_STYLES, LayerTrace, is_linear
 from torchpp.models.plans import layout_around, text_config
 from torchpp.models.stages import PipelineLayout, get_submodule
 from torchpp.models.traced_forward import traced_forward, untracked_layers_error
@@ -207,7 +212,7 @@ def split_counts(model: nn.Module, stack: str, is_split) -> str:
 
 def _planned(name: str, plan: Dict[str, str]) -> bool:
     """Whether a plan of globs splits the module ``name`` (or its weight: Mamba's dt_proj)."""
-    return any(style != "replicated_with_grad_allreduce" and (glob_pattern(glob).match(name) or glob_pattern(
+    return any(style not in WHOLE_STYLES and (glob_pattern(glob).match(name) or glob_pattern(
         glob.rpartition(".")[0]).match(name) and glob.endswith(".weight")) for glob, style in plan.items())
 
 
@@ -215,7 +220,7 @@ def divide_head_attributes(model: nn.Module, plan: Dict[str, str], ctx: TPContex
     """Gives the modules holding split projections this rank's head counts and widths (but those
     named in ``done``: their counts are this rank's already)."""
     owners = {name.rpartition(".")[0] for name, style in plan.items()
-              if style in ("colwise", *PACKED_STYLES.values(), *FUSED_QKV_STYLES)}
+              if style in ("colwise", "colwise_after_copy", *PACKED_STYLES.values(), *FUSED_QKV_STYLES)}
     fused = {name.rpartition(".")[0] for name, style in plan.items() if style in FUSED_QKV_STYLES}
     for name, module in model.named_modules():
         if name in done or not any(glob_pattern(owner).match(name) for owner in owners):

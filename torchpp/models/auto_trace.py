@@ -15,6 +15,8 @@ from torchpp.models.autograd_walk import first_tensor, history, walk_back
 # A reader whose output is split into equal parts along its features (fused q, k, v; fused gate
 # and up) is split part by part.
 PACKED_STYLES = {2: "packed_colwise", 3: "packed3_colwise"}
+# Styles that keep a module whole (replicated) in a group: not counted as split.
+WHOLE_STYLES = ("replicated_with_grad_allreduce", "replicated_copy_output")
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -127,13 +129,14 @@ class LayerTrace:
         whole_outputs, rounds = set(reaching_output), []
         for _ in range(len(self.linears) + 1):
             rounds.append(self._round(seen, reaching_output, whole_outputs))
-            split = set().union(*([w, *seen[w][0]] for w in rounds[-1][1] - set(rounds[-1][2])))
+            latents = rounds[-1][4]
+            split = set().union(*([w, *seen[w][0] - latents] for w in rounds[-1][1] - set(rounds[-1][2])))
             if reaching_output | (set(self.linears) - split) == whole_outputs:
                 break
             whole_outputs = reaching_output | (set(self.linears) - split)
         else:
             rounds.append(rounds[0])  # no fixed point: the residual stream alone
-        readers, writers, unsafe, undecided = rounds[-1]
+        readers, writers, unsafe, undecided, latents = rounds[-1]
         self.whole.update({self._relative(n): why for n, why in undecided.items()})
         for w, why in unsafe.items():
             self.whole[self._relative(w)] = f"with its readers {', '.join(map(self._relative, sorted(seen[w][0])))}: {why}"
@@ -142,16 +145,18 @@ class LayerTrace:
         for w in sorted(writers - set(unsafe)):
             plan: Dict[str, str] = {}
             groups.append(plan)
+            group = seen[w][0] - latents
             between = [params[i] for i in seen[w][2] if i in self.owners]
-            widths = [self.linears[r][1].shape[-1] for r in seen[w][0]]
+            widths = [self.linears[r][1].shape[-1] for r in group]
             if any(p.numel() in widths for p in between):
                 # A norm over a projection's whole width (every head at once): the readers' outputs are
                 # gathered and the writer splits its input, as transformers' OLMo 2 plan does.
-                plan.update({r: "colwise_gather_output" for r in seen[w][0]})
+                plan.update({r: "colwise_gather_output" for r in group})
                 plan[w] = "rowwise_split_input"
                 continue
-            plan.update({r: PACKED_STYLES.get(packed.get(r, 1), "colwise") for r in seen[w][0]})
+            plan.update({r: PACKED_STYLES.get(packed.get(r, 1), "colwise") for r in group})
             plan[w] = "rowwise"
+            self._copy_latents_into_region(plan, seen[w][0] & latents, group, seen, params)
             # Parameters applied to head-split activations (per-head norms): each rank sees its heads.
             # A vector of one value per head (attention sinks) is split with the heads.
             per_head = [p for p in between if p.dim() == 1 and p.numel() in self.heads]
@@ -159,16 +164,36 @@ class LayerTrace:
             plan.update({self.owners[id(p)]: "replicated_with_grad_allreduce" for p in between
                          if not any(p is q for q in per_head)})
         feeding = set().union(*(seen[w][0] for w in writers)) if writers else set()
-        self._name_lone_readers(readers - feeding - writers - set(undecided), seen, reaching_output)
+        self._name_lone_readers(readers - feeding - writers - set(undecided), seen, reaching_output, readers)
+        for n in sorted(latents):
+            up = sorted(self._relative(m) for m in seen if seen[m][0] == {n} and not seen[m][1]
+                        and m not in reaching_output)
+            self.whole.setdefault(self._relative(n), (
+                f"a low-rank projection ({self._width(n)} features, the stream {self.input.shape[-1]}) that "
+                f"{' and '.join(up)} widen{'s' if len(up) == 1 else ''} back up: computed whole on every rank"))
         return groups
 
-    def _name_lone_readers(self, lone, seen, reaching_output) -> None:
+    def _copy_latents_into_region(self, plan: Dict[str, str], direct, group, seen, params) -> None:
+        """Where a low-rank projection's output also reaches the writer directly (MLA's rotary key,
+        shared by every head), its linear ends in one f of its own (``replicated_copy_output``) and
+        the readers taking it back up have none (``colwise_after_copy``): parameters between them
+        (the latent's norm) then see partial gradients, summed over TP."""
+        for latent in sorted(direct):
+            plan[latent] = "replicated_copy_output"
+            for reader in sorted(r for r in group if latent in seen[r][0]):
+                plan[reader] = "colwise_after_copy"
+                plan.update({self.owners[i]: "replicated_with_grad_allreduce" for i in seen[reader][2]
+                             if i in self.owners and i in params})
+
+    def _name_lone_readers(self, lone, seen, reaching_output, readers) -> None:
         """Why readers feeding no writer stay whole (recorded in ``self.whole``)."""
         for r in sorted(lone):
             read_by = sorted(n for n in seen if r in seen[n][0])
             self.whole[self._relative(r)] = (
                 "writes back into the residual stream itself (no linear after it to split by rows)"
                 if r in reaching_output else
+                f"its output mixes into the stream {self._relative(read_by[0])} reads, which needs it whole"
+                if read_by and read_by[0] in readers and seen[read_by[0]][1] else
                 f"its output goes to {self._relative(read_by[0])}, which does not write back into the residual stream"
                 if read_by else "feeds no linear writing back into the residual stream")
 
@@ -197,8 +222,15 @@ class LayerTrace:
         return "writes back into the residual stream from no linear reading it"
 
     def _round(self, seen, reaching_output, whole_outputs):
-        """(readers, writers, {writer: why its group stays whole}, {linear the rule cannot decide: why}) when
-        readers are the linears reading the residual stream and else only ``whole_outputs``.
+        """(readers, writers, {writer: why its group stays whole}, {linear the rule cannot decide: why},
+        latents) when readers are the linears reading the residual stream and else only ``whole_outputs``.
+
+        A *latent* is a low-rank projection of whole inputs that a linear reading nothing else
+        widens back up for further linears (MLA's q_a and kv_a, a LoRA adapter's A, a
+        hyper-connection's mix_down): it stays whole, as Megatron keeps MLA's down projections, and
+        what reads it reads a whole tensor, so that linear may be a group's reader (MLA's q_b and
+        kv_b, the adapter's B). Where the latent also reaches the writer directly (MLA's rotary key),
+        ``decide`` moves the group's f onto the latent's output.
 
         A writer's output is whole on every rank (its all-reduce), so it may feed readers of its own
         even where it does not write back into the stream: a block without residual adds (Zamba's
@@ -214,43 +246,59 @@ class LayerTrace:
         stream = self.input.shape[-1]
         for _ in range(len(self.linears) + 1):
             full = reaching_output | inner
-            readers = {n for n, (before, from_input, _) in seen.items() if (from_input or before & full)
-                       and before <= whole_outputs | inner}
+            whole = whole_outputs | inner
+            latents = {n for n, (before, from_input, _) in seen.items() if n not in reaching_output
+                       and (from_input or before & full) and before <= whole
+                       and any(seen[m][0] == {n} and not seen[m][1] and self._width(m) > self._width(n)
+                               and m not in reaching_output for m in seen)}
+            readers = {n for n, (before, from_input, _) in seen.items() if n not in latents
+                       and (from_input or before & (full | latents)) and before <= whole | latents}
             pairs = {n for n in set(self.linears) - reaching_output
-                     if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output
-                     and sum(map(self._width, seen[n][0])) >= max(self._width(n), stream)}
-            found = {w for w in pairs if all(seen[n][0] <= whole_outputs | pairs for n in seen if w in seen[n][0])}
+                     if seen[n][0] - latents and not seen[n][1] and seen[n][0] - latents <= readers - reaching_output
+                     and sum(map(self._width, seen[n][0] - latents)) >= max(self._width(n), stream)}
+            found = {w for w in pairs if all(seen[n][0] <= whole_outputs | pairs | latents
+                                             for n in seen if w in seen[n][0])}
             if found == inner:
                 break
             inner = found
-        writers = {n for n in reaching_output if seen[n][0] and not seen[n][1] and seen[n][0] <= readers - reaching_output}
+        writers = {n for n in reaching_output
+                   if seen[n][0] - latents and not seen[n][1] and seen[n][0] - latents <= readers - reaching_output}
         writers |= inner
-        colwise = set().union(*(seen[w][0] for w in writers)) if writers else set()
+        colwise = set().union(*(seen[w][0] - latents for w in writers)) if writers else set()
         undecided = {n: self._why_undecided(n, seen, readers, reaching_output, writers)
-                     for n in sorted((set(self.linears) - readers - reaching_output - writers)
+                     for n in sorted((set(self.linears) - readers - reaching_output - writers - latents)
                                      | (colwise & reaching_output)
                                      | {n for n in reaching_output - writers if n not in readers})}
-        return readers, writers, self._unsafe_writers(writers, seen, undecided), undecided
+        return readers, writers, self._unsafe_writers(writers, seen, undecided, latents), undecided, latents
 
-    def _unsafe_writers(self, writers, seen, undecided: Dict[str, str]) -> Dict[str, str]:
+    def _unsafe_writers(self, writers, seen, undecided: Dict[str, str], latents) -> Dict[str, str]:
         """{writer: why its group must stay whole}: one of its readers is undecided, or a linear other
-        than a writer reads a reader's output (split, it would see a shard), or the group shares a
-        reader with such a group (a reader is split for all the writers it feeds, or none)."""
+        than a writer reads a reader's output (split, it would see a shard), or a latent reaching
+        the writer directly feeds a linear outside the group (its f would sum that one's gradient
+        twice), or the group shares a reader with such a group (a reader is split for all the
+        writers it feeds, or none)."""
         unsafe: Dict[str, str] = {}
         for w in sorted(writers):
-            inside = sorted(seen[w][0] & set(undecided))
-            fed = sorted((n, r) for n in seen if n not in writers for r in seen[n][0] & seen[w][0])
+            group = seen[w][0] - latents
+            inside = sorted(group & set(undecided))
+            fed = sorted((n, r) for n in seen if n not in writers for r in seen[n][0] & group)
+            direct = sorted((n, latent) for latent in seen[w][0] & latents for n in seen
+                            if latent in seen[n][0] and n != w
+                            and (n not in group or seen[n][0] != {latent} or seen[n][1]))
             if inside:
                 unsafe[w] = f"its reader {self._relative(inside[0])} stays whole"
             elif fed:
                 linear, reader = map(self._relative, fed[0])
                 unsafe[w] = (f"its reader {linear} reads its reader {reader}'s output (a linear between two others)"
-                             if fed[0][0] in seen[w][0] else f"{linear} also reads its reader {reader}'s output")
+                             if fed[0][0] in group else f"{linear} also reads its reader {reader}'s output")
+            elif direct:
+                linear, latent = map(self._relative, direct[0])
+                unsafe[w] = f"{latent} reaches it directly and also feeds {linear}, which reads more than {latent}"
         changed = True
         while changed:  # groups sharing a reader with one kept whole stay whole too
             changed = False
             for w in sorted(set(writers) - set(unsafe)):
-                shared = next((v for v in sorted(unsafe) if seen[v][0] & seen[w][0]), None)
+                shared = next((v for v in sorted(unsafe) if (seen[v][0] & seen[w][0]) - latents), None)
                 if shared is not None:
                     unsafe[w], changed = f"shares a reader with {self._relative(shared)}, kept whole", True
         return unsafe

@@ -134,6 +134,19 @@ class MlaKvAProj(Style):
         ctx.hooks.append(module.register_forward_hook(_map_first_output(split)))
 
 
+class CopyOutput(Style):
+    """A linear kept whole whose output goes both into split work directly and into column-split
+    linears (``colwise_after_copy``, no f of their own): plan="auto"'s low-rank projection of MLA,
+    whose rotary key every rank's heads share. One f here sums the partial gradients of both paths
+    once; an f in each path too would count the second path's gradient once per rank."""
+
+    name = "replicated_copy_output"
+
+    def apply(self, module, name, ctx):
+        group = ctx.group
+        ctx.hooks.append(module.register_forward_hook(_map_first_output(lambda y: ops.copy_to_tp_region(y, group))))
+
+
 class LeadingDim(Style):
     """A parameter of per-head tensors, heads first (Zamba's mixer: x_proj weights [heads, out, in]),
     split along that leading dim: each rank holds its heads' tensors whole."""

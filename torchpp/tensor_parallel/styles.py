@@ -15,6 +15,8 @@ in ``hook_styles`` the styles that give a module hooks or leave it as it is.
 |--------------------------------|---------------------------------|------------------------------------------|
 | colwise                        | rows (output features) split    | f on the input, output local             |
 | colwise_gather_output          | rows split                      | f on the input, output all-gathered      |
+| colwise_after_copy             | rows split                      | no f: its source's output had one        |
+|                                |                                 | (replicated_copy_output), output local   |
 | rowwise                        | columns split, bias replicated  | input local, g (all-reduce) on output    |
 | rowwise_split_input            | columns split                   | input split, g on output                 |
 | rowwise_scatter_output         | columns split, bias split       | input local, output reduce-scattered     |
@@ -34,6 +36,8 @@ in ``hook_styles`` the styles that give a module hooks or leave it as it is.
 | moe_tp_experts                 | (its parameter entries)         | f on tokens and routing weights, g after |
 | moe_identity_expert            | -                               | input divided by the TP size             |
 | mla_kv_a_proj                  | replicated                      | f on the rotary part of the output       |
+| replicated_copy_output         | replicated                      | f on the output (read directly by split  |
+|                                |                                 | work and by colwise_after_copy linears)  |
 | all_reduce                     | -                               | f on inputs (no TP linear inside), g out |
 | split_head_inputs(a, ...)      | -                               | inputs a, ... cut to this rank's heads   |
 | split_leading_dim              | (parameter) leading dim split   | per-head tensors, heads first            |
@@ -48,8 +52,8 @@ import torch
 from torch import nn
 
 from torchpp.tensor_parallel.fused_qkv import fused_qkv_layouts
-from torchpp.tensor_parallel.hook_styles import (AllReduce, LeadingDim, MlaKvAProj, MoeExperts, MoeIdentityExpert,
-                                                 ReplicatedWithGradAllReduce, Unchanged)
+from torchpp.tensor_parallel.hook_styles import (AllReduce, CopyOutput, LeadingDim, MlaKvAProj, MoeExperts,
+                                                 MoeIdentityExpert, ReplicatedWithGradAllReduce, Unchanged)
 from torchpp.tensor_parallel.layouts import FusedQKV, HeadCopies, Layout, Packed, Replicated, Split
 # PlanError and TPContext are imported from here by the plan code (their home is sharding.py).
 from torchpp.tensor_parallel.sharding import (PlanError, TPContext, full_shape, shard_parameter,
@@ -84,8 +88,9 @@ class Colwise(Style):
     name = "colwise"
 
     def __init__(self, gather_output: bool = False, packed: int = 1, blocks: Optional[Sequence[int]] = None,
-                 fused_qkv: Optional[str] = None, groups: Optional[Sequence[int]] = None):
+                 fused_qkv: Optional[str] = None, groups: Optional[Sequence[int]] = None, input_copied: bool = False):
         self.gather_output, self.packed, self.blocks, self.fused_qkv = gather_output, packed, blocks, fused_qkv
+        self.input_copied = input_copied  # an f upstream (replicated_copy_output) sums its input's gradient
         self.groups = groups  # per block: how many groups it holds (copied where the ranks outnumber them)
 
     def layouts(self, module, name, ctx) -> Tuple[Layout, Layout]:
@@ -130,6 +135,7 @@ class Colwise(Style):
         # out_features stays the whole layer's, as transformers' own TP keeps it (models read it).
         module.tp = LinearTP(ctx.group, column=True, gather_output=self.gather_output, out_features=out_features,
                              split_bw=ctx.split_bw and not copies and not copied, copied_features=copied,
+                             input_copied=self.input_copied,
                              copy_slot=layout.copy_slot(ctx.rank, ctx.size) if copied else (0, 1, True))
 
     def param_layout(self, param: torch.Tensor) -> Layout:
@@ -262,6 +268,7 @@ STYLES: Dict[str, Style] = {
     "colwise": _named(Colwise(), "colwise"),
     "colwise_rep": _named(Colwise(gather_output=True), "colwise_rep"),
     "colwise_gather_output": _named(Colwise(gather_output=True), "colwise_gather_output"),
+    "colwise_after_copy": _named(Colwise(input_copied=True), "colwise_after_copy"),  # torchpp's: plan="auto"'s MLA
     "packed_colwise": _named(Colwise(packed=2), "packed_colwise"),
     "packed3_colwise": _named(Colwise(packed=3), "packed3_colwise"),  # torchpp's: fused q, k, v (GPT-2)
     # torchpp's: fused q, k, v of unequal widths (multi-query attention), key/value heads copied where needed
@@ -280,6 +287,7 @@ STYLES: Dict[str, Style] = {
     "moe_tp_experts": MoeExperts(),
     "moe_identity_expert": MoeIdentityExpert(),
     "mla_kv_a_proj": MlaKvAProj(),
+    "replicated_copy_output": CopyOutput(),
     "all_reduce": AllReduce(),
     "split_leading_dim": LeadingDim(),
     "local_params": Unchanged(),

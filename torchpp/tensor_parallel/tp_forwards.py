@@ -39,6 +39,7 @@ class LinearTP:
     copy_output: bool = False  # row split read by computations split over TP (f after g: their gradients are partial)
     copied_features: int = 0  # column split: last output features copied on every rank (fused_qkv)
     copy_slot: Tuple[int, int, bool] = (0, 1, True)  # FusedQKV.copy_slot: this rank's copied key/value head
+    input_copied: bool = False  # column split whose input an f upstream already copied (its source's output)
 
 
 class TPLinearForward:
@@ -56,7 +57,8 @@ class TPLinearForward:
         if tp.column and tp.copied_features:
             return copied_tail_linear(input, weight, self.bias, tp.copied_features, tp.group, *tp.copy_slot)
         if tp.column:
-            output = _linear(ops.copy_to_tp_region(input, tp.group), weight, self.bias, split_bw)
+            copied = input if tp.input_copied else ops.copy_to_tp_region(input, tp.group)
+            output = _linear(copied, weight, self.bias, split_bw)
             if tp.gather_output:
                 output = ops.gather_from_tp_region(output, tp.group, dim=-1)
                 if output.size(-1) != tp.out_features:
