@@ -175,6 +175,37 @@ def test_auto_plan_keeps_whole_what_depends_on_a_linear_between_others(caplog):
     assert "linears split per layer: _ToyLayer 9/16" in caplog.text
 
 
+class _LatentLayer(torch.nn.Module):
+    """MLA's shape in small: down's output is a latent that up widens and a part that reaches out's
+    input directly, shared by every feature (the rotary key every head shares); with ``extra``, a
+    linear outside the group reads the latent too."""
+
+    def __init__(self, extra=False):
+        super().__init__()
+        self.down, self.up, self.out = torch.nn.Linear(8, 3), torch.nn.Linear(2, 8), torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(3, 8) if extra else None
+
+    def forward(self, x):
+        down = self.down(x)
+        latent, shared = down.split([2, 1], dim=-1)
+        y = x + self.out(torch.tanh(self.up(latent)) * shared)
+        return y + self.extra(down) if self.extra is not None else y
+
+
+def test_auto_plan_moves_the_f_onto_a_latent_reaching_its_writer_directly():
+    model = _ToyModel()
+    model.layers = torch.nn.ModuleList(_LatentLayer() for _ in range(2))
+    plan, _ = auto_plans(model, tp=2)
+    assert plan == {"layers.*.down": "replicated_copy_output", "layers.*.up": "colwise_after_copy",
+                    "layers.*.out": "rowwise"}, plan
+    # A linear outside the group reading the latent too: one f on down's output would sum its
+    # gradient a second time, so the group stays whole.
+    model.layers = torch.nn.ModuleList(_LatentLayer(extra=True) for _ in range(2))
+    with pytest.raises(PlanError, match=r"layers\.0\.out stays whole: with its readers down, up: down reaches it "
+                                        r"directly and also feeds extra, not a reader of its group reading down alone"):
+        auto_plans(model, tp=2)
+
+
 def test_auto_plan_that_splits_nothing_says_why():
     with pytest.raises(PlanError, match=r"nothing in layers splits: layers\.0\.b stays whole: with its readers a: "
                                         r"c also reads its reader a's output"):

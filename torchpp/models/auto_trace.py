@@ -293,7 +293,8 @@ class LayerTrace:
                              if fed[0][0] in group else f"{linear} also reads its reader {reader}'s output")
             elif direct:
                 linear, latent = map(self._relative, direct[0])
-                unsafe[w] = f"{latent} reaches it directly and also feeds {linear}, which reads more than {latent}"
+                unsafe[w] = (f"{latent} reaches it directly and also feeds {linear}, not a reader of its group "
+                             f"reading {latent} alone")
         changed = True
         while changed:  # groups sharing a reader with one kept whole stay whole too
             changed = False
