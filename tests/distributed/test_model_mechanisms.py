@@ -97,6 +97,17 @@ def test_mechanism(ranks, mechanism):
     assert ranks(2).run(run_checks, cases, timeout=TIMEOUT_S)[0] == [f"{c} {t} {o}" for c, t, o in cases]
 
 
+def _latents_under_zero_bubble():
+    return check_pp("deepseek_v3", tp=2, schedule="zb-h1", n_microbatches=4, plan="auto")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_latents_split_under_a_zero_bubble_pipeline(ranks):
+    # plan="auto"'s MLA at tp=2 x pp=2 under zb-h1: kv_b (no f of its own) defers its weight
+    # gradient to the W pass like any split linear, and kv_a's f sums the heads' rotary-key gradients.
+    assert all("grads on this rank" in d for d in ranks(4).run(_latents_under_zero_bubble, timeout=TIMEOUT_S))
+
+
 @pytest.mark.parametrize("model_type", FLAGSHIPS)
 def test_flagship(ranks, model_type):
     cases = [("tp", model_type, {})] + [(check, model_type, options) for check, options in PP_SCHEDULES]
