@@ -59,3 +59,13 @@ def test_meta_module_cannot_tell():
     assert not computes_base_forward(module, nn.Linear)
     with pytest.raises(PlanError, match="computes its own forward"):
         check_own_forward(module, None, "h.0.dense", "rowwise")
+
+
+def test_a_column_split_without_its_f_needs_the_copy_upstream():
+    from torchpp.tensor_parallel.plan import resolve_plan
+
+    model = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 4))
+    with pytest.raises(PlanError, match=r"1 has style 'colwise_after_copy' \(no f on its input\), but no module has "
+                                        r"'replicated_copy_output'"):
+        resolve_plan(model, {"1": "colwise_after_copy"}, strict=True)
+    assert resolve_plan(model, {"0": "replicated_copy_output", "1": "colwise_after_copy"}, strict=True)

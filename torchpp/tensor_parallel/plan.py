@@ -52,7 +52,17 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], strict: bool) -> Dic
             if name in resolved and resolved[name] != style:
                 raise PlanError(f"torchpp plan: {name} gets two styles, {resolved[name]!r} and {style!r}")
             resolved[name] = style
+    _check_copied_inputs(resolved)
     return resolved
+
+
+def _check_copied_inputs(resolved: Mapping[str, str]) -> None:
+    """A ``colwise_after_copy`` linear has no f: some module must have the one its input relies on."""
+    after_copy = sorted(name for name, style in resolved.items() if style == "colwise_after_copy")
+    if after_copy and "replicated_copy_output" not in resolved.values():
+        raise PlanError(f"torchpp plan: {after_copy[0]} has style 'colwise_after_copy' (no f on its input), but no "
+                        f"module has 'replicated_copy_output' to give its input's source one: its input's gradient "
+                        f"would never be summed over TP; use 'colwise'")
 
 
 def apply_tp_plan(model: nn.Module, plan: Mapping[str, str], ctx: TPContext, *, strict: bool = True,
