@@ -1,7 +1,8 @@
 """plan="auto" on ALiBi models: the bias built outside the attention for every head (BLOOM's
 [batch*heads, 1, keys], MPT's [heads, 1, keys], Falcon's [batch, heads, queries, keys] with
 alibi=True) is cut to each rank's heads (torchpp.tensor_parallel.head_inputs), so the attention's
-fused QKV and output projection split with the MLP (4 of 4 linears per layer). On real gloo ranks
+fused QKV and output projection split with the MLP (4 of 4 linears per layer); so is CPM-Ant's
+learned relative position bias, whose cut gathers its gradient (7 of 7). On real gloo ranks
 in float64 against the unwrapped model (torchpp.testing.model_checks: loss, logits, every
 gradient, one SGD step), at tp=2 and, for BLOOM, at pp=2 x tp=2 (the bias reaches the later
 stage as a layer input; microbatches of 1 row)."""
@@ -14,13 +15,15 @@ FALCON_ALIBI = dict(multi_query=False, new_decoder_architecture=False, alibi=Tru
 def _tp_cases():
     return [check_tp("bloom", plan="auto"), check_tp("mpt", plan="auto"), check_tp("falcon", plan="auto", **FALCON_ALIBI),
             # Sequence parallelism: their attention and MLP add the residual (a sequence slice) inside.
-            check_tp("bloom", plan="auto", sequence_parallel=True), check_tp("mpt", plan="auto", sequence_parallel=True)]
+            check_tp("bloom", plan="auto", sequence_parallel=True), check_tp("mpt", plan="auto", sequence_parallel=True),
+            check_tp("cpmant", plan="auto")]
 
 
 def test_alibi_attention_splits_at_tp2(ranks):
     for details in ranks(2).run(_tp_cases, timeout=TIMEOUT_S):
         assert [d.rpartition("linears split per layer: ")[2] for d in details] == [
-            "BloomBlock 4/4", "MptBlock 4/4", "FalconDecoderLayer 4/4", "BloomBlock 4/4", "MptBlock 4/4"], details
+            "BloomBlock 4/4", "MptBlock 4/4", "FalconDecoderLayer 4/4", "BloomBlock 4/4", "MptBlock 4/4",
+            "CpmAntTransformerBlock 7/7"], details
 
 
 # The plans "auto" derives, written by hand: the attention's head counts are divided as well.

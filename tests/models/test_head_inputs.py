@@ -1,7 +1,7 @@
 """Per-head inputs of head-split attention (torchpp.tensor_parallel.head_inputs), single-process:
 plan="auto" finds the ALiBi bias BLOOM, MPT and Falcon build outside their attention and cuts it
-to each rank's heads; where the cut is not proven right by the one-layer split trial
-(auto_check), or the bias is learned, the attention stays whole and the log says why. The
+to each rank's heads (a learned one too: its cut gathers its gradient); where the cut is not
+proven right by the one-layer split trial (auto_check), the attention stays whole and the log says why. The
 distributed equivalence is in tests/distributed/test_auto_head_inputs.py."""
 import logging
 
@@ -39,12 +39,20 @@ def _mix_heads(monkeypatch, modeling):
 
 
 def _learn_slopes(monkeypatch, modeling):
-    """A learned bias: its gradient would need a sum over TP, so it is not cut."""
+    """A learned bias: cut by an op whose backward gathers the heads' gradients."""
     slopes, scale = modeling._get_alibi_slopes, nn.Parameter(torch.ones((), dtype=torch.float64))
     monkeypatch.setattr(modeling, "_get_alibi_slopes", lambda *args: slopes(*args) * scale)
 
 
-@pytest.mark.parametrize("patch, cut_tried", [(_mix_heads, True), (_learn_slopes, False)])
+def test_a_learned_bias_is_cut_too(monkeypatch):
+    from transformers.models.bloom import modeling_bloom
+
+    _learn_slopes(monkeypatch, modeling_bloom)
+    plan, _ = auto_plans(tiny_model("bloom"), tp=2)
+    assert plan["transformer.h.*.self_attention"] == "split_head_inputs(alibi)", plan
+
+
+@pytest.mark.parametrize("patch, cut_tried", [(_mix_heads, True)])
 def test_attention_stays_whole_where_the_cut_is_not_proven(monkeypatch, caplog, patch, cut_tried):
     from transformers.models.bloom import modeling_bloom
 

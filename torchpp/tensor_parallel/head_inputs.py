@@ -7,7 +7,9 @@ ALiBi slopes per TP rank (rebuilding the bias for H/t heads would give other slo
 
 A bias added to the attention scores [..., heads, queries, keys] holds its heads in dimension -3,
 alone or flattened with the batch before them (batch-major, as ``reshape`` of [batch, heads]
-gives): that is where the slice takes them.
+gives): that is where the slice takes them. A learned bias (CPM-Ant's relative position bias,
+built once from an embedding for every layer) is cut by ``scatter_to_tp_region``, whose backward
+all-gathers the heads' gradients: every rank's copy of the embedding gets the whole gradient.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class SplitHeadInputs(Style):
             raise PlanError(f"torchpp plan: style {self.name!r} on {name} needs the model's head count "
                             f"(num_attention_heads), which its config does not give")
         ctx.hooks.append(module.register_forward_pre_hook(_needs_split_projections(name)))
-        ctx.hooks.append(slice_head_inputs(module, self.names, ctx.num_heads, ctx.rank, ctx.size, name))
+        ctx.hooks.append(slice_head_inputs(module, self.names, ctx.num_heads, ctx.rank, ctx.size, name, ctx.group))
 
 
 def _needs_split_projections(where: str):
@@ -90,7 +92,7 @@ def _positions(module: nn.Module, names: Sequence[str], where: str) -> Dict[str,
 
 
 def slice_head_inputs(module: nn.Module, names: Sequence[str], heads: int, rank: int, size: int,
-                      where: str) -> torch.utils.hooks.RemovableHandle:
+                      where: str, group=None) -> torch.utils.hooks.RemovableHandle:
     """Registers the forward pre-hook giving ``module`` rank ``rank``'s heads of its inputs ``names``.
 
     Args:
@@ -99,6 +101,8 @@ def slice_head_inputs(module: nn.Module, names: Sequence[str], heads: int, rank:
         heads: the model's (unsplit) query head count.
         rank, size: this rank in the TP group and the group's size.
         where: the module's name, for errors.
+        group: the TP group, which a learned input's cut needs (its backward gathers the heads'
+            gradients); None in the one-process trial (auto_check), which only runs forward.
     """
     if heads % size:
         raise PlanError(f"torchpp plan: {where}: tp={size} does not divide its {heads} heads")
@@ -111,17 +115,18 @@ def slice_head_inputs(module: nn.Module, names: Sequence[str], heads: int, rank:
         for name in names:
             at = positions[name]
             if name in kwargs:
-                kwargs[name] = own_heads(kwargs[name], heads, rank, size, batch, f"{where}'s input {name}")
+                kwargs[name] = own_heads(kwargs[name], heads, rank, size, batch, f"{where}'s input {name}", group)
             elif at is not None and at < len(args):
-                args[at] = own_heads(args[at], heads, rank, size, batch, f"{where}'s input {name}")
+                args[at] = own_heads(args[at], heads, rank, size, batch, f"{where}'s input {name}", group)
         return tuple(args), kwargs
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def own_heads(value, heads: int, rank: int, size: int, batch: int, what: str):
+def own_heads(value, heads: int, rank: int, size: int, batch: int, what: str, group=None):
     """This rank's heads of ``value`` (its dimension -3 holds ``heads`` heads, or ``batch`` x heads
-    batch-major); anything but a tensor, or one broadcast over the heads (size 1 there), passes unchanged."""
+    batch-major); anything but a tensor, or one broadcast over the heads (size 1 there), passes unchanged.
+    A value that needs a gradient is cut over ``group`` by an op gathering the heads' gradients."""
     if not isinstance(value, torch.Tensor) or (value.dim() >= 3 and value.shape[-3] == 1):
         return value
     rows = value.shape[-3] if value.dim() >= 3 else None
@@ -129,15 +134,21 @@ def own_heads(value, heads: int, rank: int, size: int, batch: int, what: str):
         raise ValueError(f"torchpp split_head_inputs: {what} of shape {tuple(value.shape)} does not hold {heads} "
                          f"heads (or batch {batch} x {heads}) in dimension -3")
     local, lead, tail = heads // size, value.shape[:-3], value.shape[-2:]
-    grouped = value.reshape(*lead, rows // heads, heads, *tail)[..., rank * local:(rank + 1) * local, :, :]
+    grouped = value.reshape(*lead, rows // heads, heads, *tail)
+    if value.requires_grad and group is not None:
+        from torchpp import ops
+
+        grouped = ops.scatter_to_tp_region(grouped, group, dim=grouped.dim() - 3)
+    else:
+        grouped = grouped[..., rank * local:(rank + 1) * local, :, :]
     return grouped.reshape(*lead, rows // heads * local, *tail)
 
 
 def per_head_inputs(module: nn.Module, args, kwargs, heads: int) -> Tuple[str, ...]:
     """The names of ``module``'s inputs in a traced call that hold every one of ``heads`` heads in
-    dimension -3 (alone or times the batch of its first tensor input), in floating point and
-    without gradient (a constant bias; a learned one would need its gradient summed over TP): what
-    ``split_head_inputs`` could slice. A guess that the one-layer split trial (auto_check) confirms."""
+    dimension -3 (alone or times the batch of its first tensor input), in floating point (a constant
+    bias, or a learned one, whose cut gathers its gradient): what ``split_head_inputs`` could
+    slice. A guess that the one-layer split trial (auto_check) confirms."""
     parameters = inspect.signature(module.forward).parameters
     try:
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
@@ -151,5 +162,5 @@ def per_head_inputs(module: nn.Module, args, kwargs, heads: int) -> Tuple[str, .
         return ()
     batch = hidden.shape[0] if hidden.dim() > 0 else 1
     return tuple(name for name, v in values.items() if isinstance(v, torch.Tensor) and v is not hidden
-                 and v.is_floating_point() and not v.requires_grad and v.dim() >= 3
+                 and v.is_floating_point() and v.dim() >= 3
                  and v.shape[-3] in (heads, batch * heads))
