@@ -38,7 +38,7 @@ Tensor parallelism (tp=2):
 - plan="auto" on multi-head latent attention (DeepSeek-V3, dots3): the down projections whole, q_b
   and kv_b split by columns, o by rows; kv_a's rotary key reaches every rank's heads directly, so
   the f sits on kv_a's output and kv_b has none (its norm's gradients summed over TP): without
-  either, the embedding's gradient differs (checked);
+  either, the embedding's gradient differs (checked); with sequence parallelism too;
 - plan="auto": groups whose split would fail or change the result stay whole while the rest
   splits (LFM3's short-convolution mixer whole, its attention and MLP split), fused parts a view cuts split part by part (Moshi's fc1), traced forwards leave no
   autograd history on modules (RecurrentGemma's recurrent state); a router sampling in training
@@ -84,6 +84,7 @@ MECHANISMS = {
                                           ("tp", "recurrent_gemma", {"plan": "auto"})],
     "random draws in training": [("tp", "phimoe", {"plan": "auto"})],  # its router samples experts
     "low-rank projections kept whole (MLA)": [("tp", "deepseek_v3", {"plan": "auto"}),
+                                              ("tp", "deepseek_v3", {"plan": "auto", "sequence_parallel": True}),
                                               ("tp", "dots3_note", {"plan": "auto"})],
     # FalconLinear writes nn.Linear's math out in its own forward: the TP forward stands in for it.
     "linears writing out their own forward": [("tp", "falcon", {"plan": "auto"})],
