@@ -66,18 +66,38 @@ at::Tensor key_value_message(const Ring& ring, const at::Tensor& k, const at::Te
   return ring.size > 1 ? at::stack({k, v}) : at::Tensor();
 }
 
-// One step's key/value gradients as the message that carries their running sum: [dk, dv] in the
-// accumulation dtype, each key piece copied in (zeros where no block reached it).
-at::Tensor key_value_grads(const std::vector<at::Tensor>& dks, const std::vector<at::Tensor>& dvs,
-                           at::IntArrayRef stacked_sizes, const at::TensorOptions& acc, int64_t piece_len) {
-  auto message = at::empty(stacked_sizes, acc);
+// Calls fn(piece of `message` ([dk, dv] stacked), that piece's gradient or undefined) for every key piece.
+template <class Fn>
+void for_each_key_piece(at::Tensor& message, const std::vector<at::Tensor>& dks, const std::vector<at::Tensor>& dvs,
+                        int64_t piece_len, Fn&& fn) {
   for (size_t j = 0; j < dks.size(); ++j) {
     for (const auto& [slot, grad] : {std::pair{0, &dks[j]}, std::pair{1, &dvs[j]}}) {
       auto piece = message[slot].narrow(2, static_cast<int64_t>(j) * piece_len, piece_len);
-      grad->defined() ? piece.copy_(*grad) : piece.zero_();
+      fn(piece, *grad);
     }
   }
+}
+
+// The first step's key/value gradients as the message that carries their running sum: [dk, dv] in
+// the accumulation dtype, each key piece copied in (zeros where no block reached it).
+at::Tensor key_value_grads(const std::vector<at::Tensor>& dks, const std::vector<at::Tensor>& dvs,
+                           at::IntArrayRef stacked_sizes, const at::TensorOptions& acc, int64_t piece_len) {
+  auto message = at::empty(stacked_sizes, acc);
+  for_each_key_piece(message, dks, dvs, piece_len, [](at::Tensor& piece, const at::Tensor& grad) {
+    grad.defined() ? piece.copy_(grad) : piece.zero_();
+  });
   return message;
+}
+
+// A later step's gradients added into the running sum received from the previous rank, which then
+// travels on: no second float32 message per step.
+void add_key_value_grads(at::Tensor& sum, const std::vector<at::Tensor>& dks, const std::vector<at::Tensor>& dvs,
+                         int64_t piece_len) {
+  for_each_key_piece(sum, dks, dvs, piece_len, [](at::Tensor& piece, const at::Tensor& grad) {
+    if (grad.defined()) {
+      piece.add_(grad);
+    }
+  });
 }
 
 // A one-rank ring's key (or value) gradient from its pieces, in the input's dtype.
@@ -175,10 +195,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
       own_v = join_key_pieces(dvs, v, shapes);
       break;
     }
-    auto block_grads = key_value_grads(dks, dvs, stacked_sizes, k.options().dtype(shapes.acc_dtype), n);
+    at::Tensor block_grads;
     if (gradients.pending()) {  // the sum so far for this key/value shard, from the previous rank
       RECORD_FUNCTION("torchpp::ring_attention::wait", std::vector<c10::IValue>());
-      block_grads.add_(gradients.wait());
+      block_grads = gradients.wait();
+      add_key_value_grads(block_grads, dks, dvs, n);
+    } else {
+      block_grads = key_value_grads(dks, dvs, stacked_sizes, k.options().dtype(shapes.acc_dtype), n);
     }
     // After the last step this send delivers the sum to the shard's owner.
     gradients = Exchange(*ring.group, block_grads, at::empty_like(block_grads), ring.next(), ring.prev(), kGradTag);
