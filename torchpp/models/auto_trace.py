@@ -253,18 +253,18 @@ class LayerTrace:
                                and m not in reaching_output for m in seen)}
             readers = {n for n, (before, from_input, _) in seen.items() if n not in latents
                        and (from_input or before & (full | latents)) and before <= whole | latents}
+            fed = {n: before - latents for n, (before, _, _) in seen.items()}  # a writer's readers: not latents
             pairs = {n for n in set(self.linears) - reaching_output
-                     if seen[n][0] - latents and not seen[n][1] and seen[n][0] - latents <= readers - reaching_output
-                     and sum(map(self._width, seen[n][0] - latents)) >= max(self._width(n), stream)}
+                     if fed[n] and not seen[n][1] and fed[n] <= readers - reaching_output
+                     and sum(map(self._width, fed[n])) >= max(self._width(n), stream)}
             found = {w for w in pairs if all(seen[n][0] <= whole_outputs | pairs | latents
                                              for n in seen if w in seen[n][0])}
             if found == inner:
                 break
             inner = found
-        writers = {n for n in reaching_output
-                   if seen[n][0] - latents and not seen[n][1] and seen[n][0] - latents <= readers - reaching_output}
+        writers = {n for n in reaching_output if fed[n] and not seen[n][1] and fed[n] <= readers - reaching_output}
         writers |= inner
-        colwise = set().union(*(seen[w][0] - latents for w in writers)) if writers else set()
+        colwise = set().union(*(fed[w] for w in writers)) if writers else set()
         undecided = {n: self._why_undecided(n, seen, readers, reaching_output, writers)
                      for n in sorted((set(self.linears) - readers - reaching_output - writers - latents)
                                      | (colwise & reaching_output)

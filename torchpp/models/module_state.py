@@ -47,19 +47,17 @@ class StateOnModules:
             watcher._wrote(module, name, value)
             set_attr(module, name, value)
 
-        def recording_getattribute(module, name):  # attributes held in the module's __dict__
-            value = get_attr(module, name)
-            if name in watcher._names:
-                watcher._read(module, name)
-            return value
-
-        def recording_getattr(module, name):  # buffers (and parameters, submodules)
-            value = get_missing(module, name)
-            if name in watcher._names:
-                watcher._read(module, name)
-            return value
+        def recording(lookup):  # __getattribute__: the module's __dict__; __getattr__: buffers, parameters
+            def get(module, name):
+                value = lookup(module, name)
+                if name in watcher._names:
+                    watcher._read(module, name)
+                return value
+            return get
 
         get_missing = nn.Module.__getattr__
+        recording_getattr, recording_getattribute = recording(get_missing), recording(get_attr)
+
         def entered(module, args):
             self._running.append(id(module))
 

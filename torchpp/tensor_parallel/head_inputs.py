@@ -20,6 +20,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from torchpp import ops
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
 from torchpp.tensor_parallel.styles import Style
 
@@ -136,8 +137,6 @@ def own_heads(value, heads: int, rank: int, size: int, batch: int, what: str, gr
     local, lead, tail = heads // size, value.shape[:-3], value.shape[-2:]
     grouped = value.reshape(*lead, rows // heads, heads, *tail)
     if value.requires_grad and group is not None:
-        from torchpp import ops
-
         grouped = ops.scatter_to_tp_region(grouped, group, dim=grouped.dim() - 3)
     else:
         grouped = grouped[..., rank * local:(rank + 1) * local, :, :]
