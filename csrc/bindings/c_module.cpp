@@ -4,6 +4,7 @@
 #include <torch/csrc/jit/python/module_python.h>
 #include <torch/extension.h>
 
+#include "ops/byte_collectives.h"
 #include "ops/collective_check.h"
 #include "ops/pass_groups.h"
 #include "ops/split_linear_store.h"
@@ -232,6 +233,34 @@ PYBIND11_MODULE(_C, m) {
   // ---- Shape checks before collectives over gloo (ops/collective_check.h) ----
   m.def("collective_checks", &collective_checks);
   m.def("set_collective_checks", &set_collective_checks, py::arg("enabled"));
+
+  // ---- Byte collectives under the object gathers (ops/byte_collectives.h): no GIL while they wait ----
+  m.def(
+      "all_gather_bytes",
+      [](const std::string& group_name, const py::bytes& mine, c10::Device device) {
+        std::string data = mine;
+        std::vector<std::string> gathered;
+        {
+          py::gil_scoped_release no_gil;
+          gathered = all_gather_bytes(group_name, data, device);
+        }
+        py::list out;
+        for (const auto& bytes : gathered) out.append(py::bytes(bytes));
+        return out;
+      },
+      py::arg("group_name"), py::arg("mine"), py::arg("device"));
+  m.def(
+      "broadcast_bytes",
+      [](const std::string& group_name, int64_t src, const py::bytes& mine, c10::Device device) {
+        std::string data = mine;
+        std::string received;
+        {
+          py::gil_scoped_release no_gil;
+          received = broadcast_bytes(group_name, src, data, device);
+        }
+        return py::bytes(received);
+      },
+      py::arg("group_name"), py::arg("src"), py::arg("mine"), py::arg("device"));
 
   // ---- Twin groups of the backward pass (ops/pass_groups.h) ----
   m.def("set_backward_group", &set_backward_group, py::arg("group_name"), py::arg("twin_name"));

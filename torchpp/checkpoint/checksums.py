@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from torchpp.checkpoint.directory import IncompleteCheckpointError, on_rank0
+from torchpp.parallel.object_collectives import all_gather_objects
 
 MANIFEST = "checksums.json"
 ALGORITHM = "crc32c"
@@ -56,9 +57,7 @@ def record_checksums(path: str, group=None) -> Dict[str, dict]:
     names = sorted(n for n in os.listdir(path) if n != MANIFEST and os.path.isfile(os.path.join(path, n)))
     mine = {n: {"bytes": os.path.getsize(os.path.join(path, n)), ALGORITHM: file_crc32c(os.path.join(path, n))}
             for n in _share(names, group)}
-    shares: List[Optional[dict]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shares, mine, group=group)
-    return {name: entry for share in shares for name, entry in sorted(share.items())}
+    return {name: entry for share in all_gather_objects(mine, group) for name, entry in sorted(share.items())}
 
 
 def write_manifest(path: str, checksums: Dict[str, dict]) -> None:
@@ -109,9 +108,7 @@ def verify_checksums(path: str, group=None) -> bool:
     if checksums is None:
         return False
     found = _problems(path, _share(sorted(checksums), group), checksums)
-    everyone: List[Optional[list]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, found, group=group)
-    found = [problem for share in everyone for problem in share]
+    found = [problem for share in all_gather_objects(found, group) for problem in share]
     if not found:
         return True
     corrupt = any(k == "corrupt" for k, _ in found)

@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from torchpp.parallel.object_collectives import broadcast_object
+
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
 METADATA = ".metadata"  # DCP's index of the checkpoint's files, written after all of them
@@ -205,7 +207,7 @@ def on_rank0(fn: Callable[[], Any], keep_type: bool = False, group=None) -> Any:
             box[0] = fn()
         except Exception as error:  # noqa: BLE001 (re-raised on every rank below)
             box[1] = (type(error), str(error))
-    dist.broadcast_object_list(box, src=0, group=group)
+    box = broadcast_object(box, src=0, group=group)
     if box[1] is not None:
         kind, text = box[1]
         if keep_type:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from torchpp.checkpoint.layout import WholeLayout, saved_whole
 from torchpp.parallel.groups import ParallelState
+from torchpp.parallel.object_collectives import all_gather_objects
 from torchpp.parallel.zero import ZeroRedundancyOptimizer
 
 # (id of the model parameter, state key) -> the full tensor of that state
@@ -46,8 +47,7 @@ def gather_whole_zero_state(optimizer, state: ParallelState) -> WholeState:
             continue
         # A rank learns the state keys of segments it does not hold from those that do.
         mine = {k: _per_element_keys(inner, segment_of[id(p)]) for k, p in enumerate(whole) if id(p) in segment_of}
-        everyone: List[Dict[int, Dict[str, torch.dtype]]] = [None] * flat.group.size()
-        dist.all_gather_object(everyone, mine, group=flat.group)
+        everyone: List[Dict[int, Dict[str, torch.dtype]]] = all_gather_objects(mine, flat.group)
         for k, param in enumerate(whole):
             keys = {}
             for held in everyone:

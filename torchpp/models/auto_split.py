@@ -18,6 +18,7 @@ from torch import nn
 
 from torchpp import plan as P
 from torchpp import schedule as S
+from torchpp.parallel.object_collectives import broadcast_object
 
 
 class _Bound(nn.Module):
@@ -157,5 +158,5 @@ def auto_split(model: nn.Module, num_stages: int, pp: int, rank_of: Dict[int, in
                          head.compute_s)
     answer = [split, stage_costs(layers, split, embedding, head)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(answer, src=0)
+        answer = broadcast_object(answer, src=0)
     return answer[0], answer[1]

@@ -26,6 +26,7 @@ from torch import nn
 
 from torchpp.checkpoint.directory import commit_directory, on_rank0, prepare_directory
 from torchpp.models.hf_disk_format import on_disk_format
+from torchpp.parallel.object_collectives import all_gather_objects
 
 Checkpoint = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
 
@@ -175,8 +176,7 @@ def save_hf_checkpoint(model: nn.Module, directory: Union[str, os.PathLike],
         tensors = {key: t for name, tensor in tensors.items() for key, t in disk.write(name, tensor).items()}
     tied = getattr(model, "tied_names", {})
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items() if name not in tied}
-    held = [None] * state.pp
-    dist.all_gather_object(held, sizes, group=state.pp_group)
+    held = all_gather_objects(sizes, state.pp_group)
     owned, claimed = [], set()
     for names in held:  # DualPipe: a stage's twin copy on a later pipeline rank is not written again
         owned.append(sorted(set(names) - claimed))

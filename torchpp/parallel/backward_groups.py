@@ -9,12 +9,13 @@ ops issue their collectives on the twin while their thread runs a backward pass
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict
 
 import torch.distributed as dist
 
 from torchpp import _C
 from torchpp.parallel.groups import ParallelState
+from torchpp.parallel.object_collectives import all_gather_objects
 
 # The data-parallel and expert groups: what a pipeline stage's compute talks on under ep (the
 # experts' all-to-all, the load-balancing statistics, the gradient reducers' hooks).
@@ -34,8 +35,7 @@ def backward_twins(state: ParallelState) -> Dict[str, dist.ProcessGroup]:
         if group is None or group.group_name in made:
             continue
         # Every rank learns every group of this kind, so all create the twins in one order.
-        everyone: List[Optional[list]] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, dist.get_process_group_ranks(group))
+        everyone = all_gather_objects(dist.get_process_group_ranks(group))
         if max(len(ranks) for ranks in everyone) == 1:
             continue
         enumeration = sorted({tuple(ranks) for ranks in everyone})

@@ -16,6 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from torchpp.parallel.object_collectives import all_gather_objects
+
 DEFAULT_SKIP_LIMIT = 3
 
 
@@ -72,9 +74,7 @@ def locate_nonfinite(pairs: Sequence[Tuple[Optional[torch.Tensor], torch.Tensor]
     for group in groups:
         if group is None or dist.get_world_size(group) == 1:
             continue
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, records, group=group)
-        records = [record for part in gathered for record in part]
+        records = [record for part in all_gather_objects(records, group) for record in part]
     records.sort()
     bad = [r for r in records if r[2] > 0]
     return NonFiniteReport(norm=float(norm), rank=bad[0][0] if bad else None, name=bad[0][1] if bad else None,

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from torchpp import _C
+from torchpp.parallel.object_collectives import all_gather_objects
 
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
 COMPUTE = ("F", "I", "W", "B")
@@ -34,9 +35,7 @@ def gather_runs(sched, group=None) -> List[dict]:
         "timeline": sched.timeline(),
         "peak_activations": sched.peak_activations,
     }
-    runs = [None] * dist.get_world_size(group)
-    dist.all_gather_object(runs, mine, group=group)
-    return sorted(runs, key=lambda run: run["rank"])
+    return sorted(all_gather_objects(mine, group), key=lambda run: run["rank"])
 
 
 def _origin(runs: List[dict]) -> float:

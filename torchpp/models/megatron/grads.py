@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchpp.parallel.groups import ParallelState
+from torchpp.parallel.object_collectives import all_gather_objects
 
 
 class _GradsInPlace:
@@ -87,8 +87,7 @@ def parallel_state() -> ParallelState:
     dp_group = mps.get_data_parallel_group()
     coords = (pp_group.rank(), dp_group.rank(), tp_group.rank())
     sizes = (pp_group.size(), dp_group.size(), tp_group.size())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, coords)
+    everyone = all_gather_objects(coords)
     grid = torch.empty(sizes, dtype=torch.int64)
     for rank, where in enumerate(everyone):
         grid[where] = rank

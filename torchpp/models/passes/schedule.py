@@ -13,6 +13,7 @@ from torchpp.models.passes.state import WrapState
 from torchpp.models.plans import text_config
 from torchpp.models.stages import ModelStage, get_submodule
 from torchpp.parallel.groups import ParallelState, new_layout_group, rank_grid
+from torchpp.parallel.object_collectives import all_gather_objects
 
 
 def apply_schedule(model: nn.Module, state: WrapState, options: PipelineOptions) -> nn.Module:
@@ -94,8 +95,7 @@ def _check_same_shapes(model: nn.Module, params: List[nn.Parameter], group) -> N
     here): a mismatch would kill a rank inside the collective (a gloo reset on the others)."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     mine = [(names.get(id(p), "?"), tuple(p.shape)) for p in params]
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    every = all_gather_objects(mine, group)
     if any([shape for _, shape in other] != [shape for _, shape in mine] for other in every):
         ranks = dist.get_process_group_ranks(group)
         raise RuntimeError("torchpp.parallelize: the pipeline ranks disagree on the parameters whose gradients they "
