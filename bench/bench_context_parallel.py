@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 bench/bench_context_parallel.py --part memory
     torchrun --standalone --nproc-per-node 2 bench/bench_context_parallel.py --part time
+    torchrun --standalone --nproc-per-node 4 bench/bench_context_parallel.py --part peak
 
 memory  bytes autograd keeps for backward per rank (torchpp.plan.SavedActivationMeter: CPU has no
         allocator statistics) for sequence lengths 1k-4k at cp = 1, 2, 4 (cp=1: the unwrapped
@@ -12,6 +13,11 @@ time    one forward + backward at a long sequence, cp = world size: ring vs all-
         torch.profiler trace of the ring op's own spans (torchpp::ring_attention::wait is
         the exposed transfer) against the same exchange timed alone (no compute beside it).
         The trace is written to runs/bench_cp/ (Chrome trace JSON).
+peak    the attention op alone (torchpp.context_parallel.attention), one forward + backward at
+        cp = 2 and cp = world: the most bytes live at once beyond its inputs, per rank (the
+        largest rank), ring vs all-gather, against SDPA on the whole sequence in one process
+        (the peer), in MB and in units of one rank's key/value shard; from torch.profiler's
+        memory timeline (CPU allocations: every tensor the ops make, transfer buffers included).
 Repeats are interleaved so machine noise hits every variant alike; median and spread are printed.
 """
 import argparse
@@ -24,7 +30,9 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import torchpp
+from torchpp import context_parallel
 from torchpp.models import parallelize
+from torchpp.parallel.object_collectives import all_gather_objects
 from torchpp.plan import SavedActivationMeter
 
 from timing import interleaved, median_spread  # bench/timing.py, next to this script
@@ -101,6 +109,62 @@ def time_part(args, world: int) -> None:
     hidden_share(args, variants["ring"], ids, labels, world)
 
 
+def peak_beyond_inputs(run) -> int:
+    """The most CPU bytes live at once during run() beyond those live when it starts."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline  # private: the timeline behind profile's memory plot
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        run()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    live = [sum(categories) for categories in sizes]
+    return max(live) - live[0]
+
+
+def attention_peak(args, mode: str, group, cp: int) -> int:
+    """Peak bytes beyond the inputs of one forward + backward of the CP attention on `group`,
+    global ranks 0..cp-1 (the others return 0); mode "sdpa": the unwrapped attention, cp=1."""
+    if dist.get_rank() >= cp:
+        return 0
+    g = torch.Generator().manual_seed(dist.get_rank())
+    head_dim = args.hidden // args.heads
+    shape = (1, args.heads, args.long_seq // cp, head_dim)
+    q, k, v = (torch.randn(shape, generator=g, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, generator=g)
+
+    def run():
+        if mode == "sdpa":
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = context_parallel.attention(q, k, v, group, mode=mode)
+        out.backward(grad)
+
+    run()  # warm-up: lazily made state (the ring's channels) is not counted
+    q.grad = k.grad = v.grad = None
+    return peak_beyond_inputs(run)
+
+
+def peak_part(args, world: int) -> None:
+    rank = dist.get_rank()
+    head_dim = args.hidden // args.heads
+    rows = {1: {"sdpa": attention_peak(args, "sdpa", None, 1)}}
+    dist.barrier()
+    for cp in sorted({2, world}):
+        group = dist.new_group(list(range(cp)))
+        rows[cp] = {mode: attention_peak(args, mode, group, cp) for mode in ("ring", "all-gather")}
+    everyone = all_gather_objects(rows)
+    if rank != 0:
+        return
+    print(f"attention alone, forward + backward, seq {args.long_seq}, {args.heads} heads of {head_dim}, fp32, batch 1: "
+          "peak bytes beyond the inputs (largest rank)")
+    print(f"{'cp':>3} {'variant':>11} {'MB':>9} {'/ K+V shard':>12}")
+    for cp, modes in rows.items():
+        kv_shard = 2 * args.heads * (args.long_seq // cp) * head_dim * 4  # one rank's K and V, fp32
+        for mode in modes:
+            peak = max(r[cp][mode] for r in everyone)
+            print(f"{cp:>3} {mode:>11} {peak / 1e6:9.2f} {peak / kv_shard:12.2f}")
+
+
 def exchange_seconds(kv: torch.Tensor, repeats: int) -> float:
     """The ring's step alone: send a key/value shard to the next rank, receive the previous one's."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -152,7 +216,7 @@ def hidden_share(args, model, ids, labels, world: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("memory", "time"), required=True)
+    parser.add_argument("--part", choices=("memory", "time", "peak"), required=True)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
@@ -165,6 +229,8 @@ def main():
     world = dist.get_world_size()
     if args.part == "memory":
         memory_part(args, world)
+    elif args.part == "peak":
+        peak_part(args, world)
     else:
         time_part(args, world)
     dist.destroy_process_group()

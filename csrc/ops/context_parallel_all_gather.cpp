@@ -18,46 +18,21 @@ namespace {
 
 constexpr const char* kOp = "all_gather_attention";
 
-// Rank-major shards [c, ..., s_local, ...] (sequence at `dim` of each shard) -> the sequence in
-// global order along `dim`.
-at::Tensor to_global(const at::Tensor& stacked, int64_t dim, Layout layout, const Shapes& shapes) {
-  const int64_t c = stacked.size(0), n = shapes.piece_len;
-  std::vector<at::Tensor> chunks(c * shapes.pieces);
-  for (int64_t r = 0; r < c; ++r) {
-    const auto held = chunks_of(r, c, layout);
-    for (int64_t p = 0; p < shapes.pieces; ++p) {
-      chunks[held[p]] = stacked[r].narrow(dim, p * n, n);
-    }
-  }
-  return at::cat(chunks, dim);
-}
-
-// The inverse of to_global: [..., S, ...] -> [c, ..., s_local, ...].
-at::Tensor to_rank_major(const at::Tensor& global, int64_t dim, int64_t c, Layout layout, const Shapes& shapes) {
-  const int64_t n = shapes.piece_len;
-  std::vector<at::Tensor> shards;
-  for (int64_t r = 0; r < c; ++r) {
-    std::vector<at::Tensor> pieces;
-    for (int64_t chunk : chunks_of(r, c, layout)) {
-      pieces.push_back(global.narrow(dim, chunk * n, n));
-    }
-    shards.push_back(at::cat(pieces, dim));
-  }
-  return at::stack(shards);
-}
-
+// The gathered keys and values stay rank-major, as the all-gather leaves them: blocks read each
+// key chunk where it lies and the gradients are summed into a rank-major buffer that is
+// reduce-scattered as it is (no global-order copy of either: c shards' worth each).
 struct Gathered {
-  at::Tensor kv;        // [2, b, hk, S, d], input dtype
-  at::Tensor segments;  // [b, S] or undefined
+  at::Tensor kv;        // [c, 2, b, hk, s_local, d], input dtype
+  at::Tensor segments;  // [c, b, s_local] or undefined
 };
 
 Gathered gather(c10d::ProcessGroup& group, const at::Tensor& k, const at::Tensor& v,
-                const std::optional<at::Tensor>& segment_ids, Layout layout, const Shapes& shapes) {
+                const std::optional<at::Tensor>& segment_ids) {
   RECORD_FUNCTION("torchpp::all_gather_attention::gather", std::vector<c10::IValue>());
   Gathered g;
-  g.kv = to_global(all_gather_stacked(group, at::stack({k, v})), 3, layout, shapes);
+  g.kv = all_gather_stacked(group, at::stack({k, v}));
   if (segment_ids.has_value() && segment_ids->defined()) {
-    g.segments = to_global(all_gather_stacked(group, segment_ids->to(at::kLong)), 1, layout, shapes);
+    g.segments = all_gather_stacked(group, segment_ids->to(at::kLong));
   }
   return g;
 }
@@ -83,36 +58,33 @@ Setup setup(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   return s;
 }
 
-// Keys [start, start + len) of the gathered sequence and what query piece i may see of them.
-struct KeySpan {
-  int64_t start, len;
+// One key chunk of the gathered sequence: held by `rank` as its piece `piece`, and what query
+// piece i may see of it.
+struct KeyChunk {
+  int64_t rank, piece;
   BlockMask mask;
+
+  at::Tensor of(const at::Tensor& rank_major, int64_t which, int64_t n) const {
+    return rank_major[rank][which].narrow(2, piece * n, n);
+  }
 };
 
-// The key blocks of query piece i: all keys (full attention); under causal attention the keys
-// before the piece (no mask) and the square diagonal block (the kernels' causal mask), or one
-// masked block when segment ids keep packed sequences apart.
-std::vector<KeySpan> key_spans(const Setup& s, int64_t i, int64_t seq_len, bool causal, const Gathered& g,
-                               c10::Device device) {
-  const int64_t n = s.shapes.piece_len, q_start = s.mine[i] * n;
-  const bool packed = s.my_segments.defined();
-  const auto q_segments = packed ? s.my_segments.narrow(1, i * n, n) : at::Tensor();
-  auto span = [&](int64_t start, int64_t len) {
-    const auto k_segments = packed ? g.segments.narrow(1, start, len) : at::Tensor();
-    return KeySpan{start, len, block_mask(q_start, n, start, len, causal, q_segments, k_segments, device)};
-  };
-  if (!causal) {
-    return {span(0, seq_len)};
+// The key chunks query piece i attends to, one block each: under causal attention those before
+// the piece (no mask) and the diagonal one (the kernels' causal mask); every chunk otherwise;
+// masked blocks where segment ids keep packed sequences apart.
+std::vector<KeyChunk> key_chunks(const Setup& s, int64_t i, bool causal, const Gathered& g, c10::Device device) {
+  const int64_t n = s.shapes.piece_len, c = g.kv.size(0), q_start = s.mine[i] * n;
+  const auto q_segments = s.my_segments.defined() ? s.my_segments.narrow(1, i * n, n) : at::Tensor();
+  std::vector<KeyChunk> chunks;
+  for (int64_t r = 0; r < c; ++r) {
+    const auto held = chunks_of(r, c, s.layout);
+    for (int64_t p = 0; p < s.shapes.pieces; ++p) {
+      const auto k_segments = g.segments.defined() ? g.segments[r].narrow(1, p * n, n) : at::Tensor();
+      auto mask = block_mask(q_start, n, held[p] * n, n, causal, q_segments, k_segments, device);
+      if (!mask.skip) chunks.push_back(KeyChunk{r, p, std::move(mask)});
+    }
   }
-  if (packed) {
-    return {span(0, q_start + n)};
-  }
-  std::vector<KeySpan> spans;
-  if (q_start > 0) {
-    spans.push_back(span(0, q_start));
-  }
-  spans.push_back(span(q_start, n));
-  return spans;
+  return chunks;
 }
 
 std::tuple<at::Tensor, at::Tensor> all_gather_attention_forward(
@@ -120,16 +92,16 @@ std::tuple<at::Tensor, at::Tensor> all_gather_attention_forward(
     c10::string_view group_name, int64_t group_size, bool causal, std::optional<double> scale,
     c10::string_view layout_name) {
   const Setup s = setup(q, k, v, segment_ids, group_name, group_size, scale, layout_name);
-  const Gathered g = gather(*s.group, k, v, segment_ids, s.layout, s.shapes);
-  const int64_t seq_len = g.kv.size(3);
+  const Gathered g = gather(*s.group, k, v, segment_ids);
+  const int64_t n = s.shapes.piece_len;
   auto queries = split_queries(q, s.shapes, q.scalar_type());
   std::vector<at::Tensor> outs, lses;
   RECORD_FUNCTION("torchpp::all_gather_attention::block", std::vector<c10::IValue>());
   for (int64_t i = 0; i < s.shapes.pieces; ++i) {
     at::Tensor out, lse;
-    for (const auto& span : key_spans(s, i, seq_len, causal, g, q.device())) {
-      auto [block_out, block_lse] = block_forward(queries[i], g.kv[0].narrow(2, span.start, span.len),
-                                                  g.kv[1].narrow(2, span.start, span.len), span.mask, s.shapes);
+    for (const auto& chunk : key_chunks(s, i, causal, g, q.device())) {
+      auto [block_out, block_lse] = block_forward(queries[i], chunk.of(g.kv, 0, n), chunk.of(g.kv, 1, n), chunk.mask,
+                                                  s.shapes);
       merge_block(out, lse, std::move(block_out), block_lse);
     }
     fill_unreached(out, lse, queries[i], s.shapes.acc_dtype);
@@ -144,8 +116,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_attention_backward(
     const at::Tensor& lse, const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
     int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout_name) {
   const Setup s = setup(q, k, v, segment_ids, group_name, group_size, scale, layout_name);
-  const Gathered g = gather(*s.group, k, v, segment_ids, s.layout, s.shapes);
-  const int64_t seq_len = g.kv.size(3);
+  const Gathered g = gather(*s.group, k, v, segment_ids);
+  const int64_t n = s.shapes.piece_len;
   auto queries = split_queries(q, s.shapes, q.scalar_type());
   auto grads = split_queries(grad_out, s.shapes, q.scalar_type());
   auto lses = split_queries(lse, s.shapes, s.shapes.acc_dtype);
@@ -156,24 +128,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_attention_backward(
     RECORD_FUNCTION("torchpp::all_gather_attention::block_backward", std::vector<c10::IValue>());
     for (int64_t i = 0; i < s.shapes.pieces; ++i) {
       at::Tensor dq;  // set by the piece's first block
-      for (const auto& span : key_spans(s, i, seq_len, causal, g, q.device())) {
-        auto dk = kv_grads[0].narrow(2, span.start, span.len);
-        auto dv = kv_grads[1].narrow(2, span.start, span.len);
-        block_backward(queries[i], g.kv[0].narrow(2, span.start, span.len), g.kv[1].narrow(2, span.start, span.len),
-                       grads[i], outs[i], lses[i], span.mask, s.shapes, dq, dk, dv);
+      for (const auto& chunk : key_chunks(s, i, causal, g, q.device())) {
+        auto dk = chunk.of(kv_grads, 0, n);  // summed in place: a view of the rank-major buffer
+        auto dv = chunk.of(kv_grads, 1, n);
+        block_backward(queries[i], chunk.of(g.kv, 0, n), chunk.of(g.kv, 1, n), grads[i], outs[i], lses[i], chunk.mask,
+                       s.shapes, dq, dk, dv);
       }
       dqs.push_back(dq.defined() ? dq : at::zeros(queries[i].sizes(), queries[i].options().dtype(s.shapes.acc_dtype)));
     }
   }
   // Every rank holds partial gradients of every shard: sum them at each shard's owner.
-  auto stacked = to_rank_major(kv_grads, 3, group_size, s.layout, s.shapes).contiguous();
-  auto flat = stacked.view({-1});
-  auto own_flat = at::empty({flat.numel() / group_size}, stacked.options());
+  auto flat = kv_grads.view({-1});
+  auto own_flat = at::empty({flat.numel() / group_size}, kv_grads.options());
   {
     RECORD_FUNCTION("torchpp::all_gather_attention::reduce_scatter", std::vector<c10::IValue>());
     c10d_compat::reduce_scatter_single(*s.group, own_flat, flat)->wait();
   }
-  auto own = own_flat.view(stacked.sizes().slice(1));
+  auto own = own_flat.view(kv_grads.sizes().slice(1));
   return {join_queries(dqs, s.shapes, q.scalar_type()), own[0].to(k.scalar_type()), own[1].to(v.scalar_type())};
 }
 
