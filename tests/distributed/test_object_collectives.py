@@ -2,18 +2,12 @@
 travel in buffers made in C++ (no Python object on them, so gloo's worker never needs the GIL to
 free them while a raising process exits: pytorch/pytorch#190489). On real gloo ranks: every
 rank's object in group-rank order, lengths that differ by rank, subgroups, a source that is not
-group rank 0; and a guard that torchpp itself uses no torch.distributed object collective."""
-import ast
-import os
-
+group rank 0. (tests/faults/test_nonfinite.py guards that torchpp uses no torch.distributed object
+collective.)"""
 import torch
 import torch.distributed as dist
 
 from torchpp.parallel.object_collectives import all_gather_objects, broadcast_object
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TORCH_OBJECT_COLLECTIVES = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-                            "send_object_list", "recv_object_list"}
 
 
 def _gathers_and_broadcasts():
@@ -38,20 +32,3 @@ def test_every_rank_gets_every_object(ranks):
         (world, None, "from rank 2", ["tail", 2], [None, b"", None]),
         (world, [("pair", 0), ("pair", 2)], "from rank 2", ["tail", 2], [None, b"", None]),
     ], outcomes
-
-
-def test_torchpp_calls_no_torch_object_collective():
-    """A torch.distributed object collective makes its buffers in Python: an error raised on
-    every rank right after one (NonFiniteGradientError, a checkpoint's agreed failure) could
-    abort the process instead of exiting with the error. torchpp's go through
-    torchpp.parallel.object_collectives."""
-    found = []
-    for folder, _, files in os.walk(os.path.join(ROOT, "torchpp")):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(folder, name)
-            for node in ast.walk(ast.parse(open(path).read(), path)):
-                if isinstance(node, ast.Attribute) and node.attr in TORCH_OBJECT_COLLECTIVES:
-                    found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.attr}")
-    assert not found, found
