@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "ops/c10d_compat.h"
 #include "ops/process_group.h"
 
 namespace torchpp {
@@ -18,34 +19,31 @@ at::Tensor bytes_tensor(const std::string& bytes, int64_t length, c10::Device de
   return host.to(device);
 }
 
-std::string tensor_bytes(const at::Tensor& tensor, int64_t length) {
-  auto host = tensor.cpu().contiguous();
+std::string tensor_bytes(const at::Tensor& host, int64_t length) {
   return std::string(static_cast<const char*>(host.data_ptr()), length);
 }
 
-int64_t to_length(const at::Tensor& size) { return size.cpu().item<int64_t>(); }
+// Every rank's `local` (contiguous, the same shape everywhere) as rows of one [ranks, numel] tensor on the host.
+at::Tensor gather_rows(c10d::ProcessGroup& group, const at::Tensor& local) {
+  auto gathered = at::empty({group.getSize() * local.numel()}, local.options());
+  auto input = local.view({-1});
+  c10d_compat::all_gather_single(group, gathered, input)->wait();
+  return gathered.view({group.getSize(), local.numel()}).cpu();
+}
 
 }  // namespace
 
 std::vector<std::string> all_gather_bytes(const std::string& group_name, const std::string& mine,
                                           c10::Device device) {
   auto group = resolve_group(group_name);
-  const int64_t ranks = group->getSize();
   // Lengths first: every rank's buffer is padded to the longest.
-  std::vector<at::Tensor> length_in{at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device)};
-  std::vector<std::vector<at::Tensor>> length_out(1);
-  for (int64_t r = 0; r < ranks; ++r) length_out[0].push_back(at::empty_like(length_in[0]));
-  group->allgather(length_out, length_in)->wait();
-  std::vector<int64_t> lengths;
-  for (const auto& length : length_out[0]) lengths.push_back(to_length(length));
-  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
-
-  std::vector<at::Tensor> data_in{bytes_tensor(mine, longest, device)};
-  std::vector<std::vector<at::Tensor>> data_out(1);
-  for (int64_t r = 0; r < ranks; ++r) data_out[0].push_back(at::empty_like(data_in[0]));
-  group->allgather(data_out, data_in)->wait();
+  const auto lengths =
+      gather_rows(*group, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device)).view({-1});
+  const auto data = gather_rows(*group, bytes_tensor(mine, lengths.max().item<int64_t>(), device));
   std::vector<std::string> gathered;
-  for (int64_t r = 0; r < ranks; ++r) gathered.push_back(tensor_bytes(data_out[0][r], lengths[r]));
+  for (int64_t r = 0; r < group->getSize(); ++r) {
+    gathered.push_back(tensor_bytes(data[r], lengths[r].item<int64_t>()));
+  }
   return gathered;
 }
 
@@ -57,10 +55,10 @@ std::string broadcast_bytes(const std::string& group_name, int64_t src, const st
   options.rootRank = src;
   std::vector<at::Tensor> length{at::full({1}, static_cast<int64_t>(mine.size()), at::kLong).to(device)};
   group->broadcast(length, options)->wait();
-  const int64_t bytes = to_length(length[0]);
+  const int64_t bytes = length[0].cpu().item<int64_t>();
   std::vector<at::Tensor> data{bytes_tensor(mine, bytes, device)};
   group->broadcast(data, options)->wait();
-  return tensor_bytes(data[0], bytes);
+  return tensor_bytes(data[0].cpu(), bytes);
 }
 
 }  // namespace torchpp
