@@ -115,6 +115,35 @@ def test_flagship(ranks, model_type):
     assert len(ranks(2).run(run_checks, cases, timeout=TIMEOUT_S)[0]) == 3
 
 
+def _paired_heads():
+    # Default tiny sizes, then lambdas as long as the heads are many (8 of 8 values): a vector the
+    # trace takes for one value per head, tried split, then kept whole with its gradients summed.
+    return [check_tp("diffllama", plan="auto"),
+            check_tp("diffllama", plan="auto", num_attention_heads=8, num_key_value_heads=8, head_dim=8)]
+
+
+def test_auto_plan_splits_differential_attention_by_pairs(ranks):
+    # DiffLlama pairs query head j with j + H/2 (and value halves likewise): q, k and v split half by
+    # half (packed_colwise), o by rows; its lambdas, parameters of the attention module that also
+    # holds the split linears, stay whole with their gradients summed over TP. Before, that module's
+    # gradient sum also summed its split linears' shards (q_proj's gradient 2x off at tp=2).
+    details = ranks(2).run(_paired_heads, timeout=TIMEOUT_S)
+    assert all(d.endswith("DiffLlamaDecoderLayer 7/7") for rank in details for d in rank), details
+
+
+def _experts_in_one_weight():
+    return [check_tp("jetmoe", plan="auto"), check_tp("jetmoe", plan="auto", sequence_parallel=True)]
+
+
+def test_auto_plan_splits_experts_linears_held_in_one_weight(ranks):
+    # JetMoE's experts (JetMoeParallelExperts, weight [experts, out, in]) in its MoE and in its mixture
+    # of attention heads: input_linear by columns (the MoE's fused gate|up part by part), output_linear
+    # by rows, kv_proj's k|v part by part; the attention mixture builds its query width from
+    # hidden_size, found by the split trial and divided (local_widths). Routers stay whole.
+    details = ranks(2).run(_experts_in_one_weight, timeout=TIMEOUT_S)
+    assert all(d.endswith("JetMoeDecoderLayer 5/7") for rank in details for d in rank), details
+
+
 def _partly_split():
     return check_tp("lfm3", plan="auto")
 

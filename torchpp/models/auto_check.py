@@ -22,6 +22,8 @@ from torchpp.models.auto_fused_qkv import fused_qkv_variants
 from torchpp.models.auto_trace import WHOLE_STYLES, is_linear
 from torchpp.tensor_parallel.head_inputs import (head_inputs_style, parse_head_inputs_style, per_head_inputs,
                                                  slice_head_inputs)
+from torchpp.tensor_parallel.expert_linears import is_expert_linear
+from torchpp.tensor_parallel.local_widths import divide_widths, local_widths_style, parse_local_widths_style
 from torchpp.tensor_parallel.random import rng_restored
 from torchpp.tensor_parallel.styles import STYLES, PlanError, TPContext
 from torchpp.tensor_parallel.tp_forwards import check_own_forward
@@ -101,6 +103,8 @@ def _first_that_holds(layer, call, group: Dict[str, str], ctx, head_inputs: Opti
             continue
         variants.append({**group, **{n: packed for n in readers}})
     variants += fused_qkv_variants(layer, group, ctx)  # fused q/k/v of unequal parts (multi-query attention)
+    variants += [whole for whole in (_per_head_vectors_whole(layer, v) for v in [group] + variants) if whole]
+    variants += [local for v in [group] + variants for local in local_width_variants(layer, v)]
     if head_inputs:
         variants += [{**variant, **head_inputs} for variant in [group] + variants]
     sliced_why = ""
@@ -111,6 +115,37 @@ def _first_that_holds(layer, call, group: Dict[str, str], ctx, head_inputs: Opti
         if head_inputs and not sliced_why and set(head_inputs) <= set(variant):
             sliced_why = f"; with {next(iter(head_inputs.values()))} it fails too: {variant_why}"
     return None, why + sliced_why
+
+
+def _per_head_vectors_whole(layer: nn.Module, group: Dict[str, str]) -> Optional[Dict[str, str]]:
+    """``group`` with the vectors it splits as one value per head kept whole instead, their
+    gradients summed over TP (a vector as long as a head count by chance: DiffLlama's lambdas of
+    head_dim values where head_dim equals the heads); None if it splits none."""
+    vectors = [name for name, style in group.items() if style == "colwise" and isinstance(_get(layer, name), nn.Parameter)]
+    if not vectors:
+        return None
+    return {**{n: s for n, s in group.items() if n not in vectors},
+            **{n: "replicated_with_grad_allreduce" for n in vectors}}
+
+
+def local_width_variants(layer: nn.Module, group: Dict[str, str]) -> List[Dict[str, str]]:
+    """``group`` once per integer attribute of a module holding a column-split expert linear that
+    equals the linear's whole output width, with that attribute divided by the TP size
+    (``local_widths``), then with all of them: the module may build that width itself."""
+    variants = []
+    for name, style in group.items():
+        target = _get(layer, name)
+        if not (style.startswith(("colwise", "packed")) and isinstance(target, nn.Module) and is_expert_linear(target)):
+            continue
+        holder = name.rpartition(".")[0]
+        owner = layer.get_submodule(holder) if holder else None
+        if owner is None or holder in group:
+            continue
+        width = target.weight.shape[1]
+        names = sorted(a for a, v in vars(owner).items() if isinstance(v, int) and not isinstance(v, bool) and v == width)
+        choices = [[a] for a in names] + ([names] if len(names) > 1 else [])
+        variants += [{**group, holder: local_widths_style(choice)} for choice in choices]
+    return variants
 
 
 def head_inputs_entry(trace, group: Dict[str, str], ctx: TPContext) -> Dict[str, str]:
@@ -161,8 +196,8 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
     writer = _writer(group)
     for name, style in group.items():
         target = _get(layer, name)
-        if isinstance(target, nn.Module) and style not in WHOLE_STYLES and \
-                parse_head_inputs_style(style) is None:
+        if isinstance(target, nn.Module) and style not in WHOLE_STYLES and parse_head_inputs_style(style) is None \
+                and parse_local_widths_style(style) is None and not is_expert_linear(target):
             try:
                 check_own_forward(target, None, name, style)
             except PlanError:  # parallelize would refuse the style on it
@@ -246,6 +281,9 @@ def _shard(layer: nn.Module, group: Dict[str, str], ctx: TPContext, rank: int) -
         target = _get(layer, name)
         if parse_head_inputs_style(style) is not None:  # the attention's per-head inputs: this rank's heads
             slice_head_inputs(target, parse_head_inputs_style(style), ctx.num_heads, rank, ctx.size, name)
+            continue
+        if parse_local_widths_style(style) is not None:  # widths the module builds itself: this rank's
+            divide_widths(target, parse_local_widths_style(style), ctx.size, name)
             continue
         if isinstance(target, nn.Parameter):  # a per-head vector split with the heads
             parent, _, leaf = name.rpartition(".")

@@ -26,7 +26,8 @@ def fused_qkv_variants(layer: nn.Module, group: Dict[str, str], ctx) -> List[Dic
     for name, style in group.items():
         parent, _, leaf = name.rpartition(".")
         module = getattr(layer.get_submodule(parent) if parent else layer, leaf, None)  # a per-head vector: no module
-        if style != "colwise" or not isinstance(module, nn.Module) or getattr(module, "weight", None) is None:
+        if style != "colwise" or not isinstance(module, nn.Module) or getattr(module, "weight", None) is None \
+                or module.weight.dim() != 2:  # experts' linears hold no fused q/k/v
             continue
         width = module.weight.shape[0] if isinstance(module, nn.Linear) else module.weight.shape[-1]
         kv, odd = divmod(width // head_dim - heads, 2)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from torchpp.models.autograd_walk import first_tensor, history, walk_back
+from torchpp.tensor_parallel.expert_linears import is_expert_linear
 
 
 # A reader whose output is split into equal parts along its features (fused q, k, v; fused gate
@@ -20,9 +21,11 @@ WHOLE_STYLES = ("replicated_with_grad_allreduce", "replicated_copy_output")
 
 
 def is_linear(module: nn.Module) -> bool:
-    """nn.Linear, or transformers' Conv1D (GPT-2's linears, weight [in, out]; also once a TP class is swapped in)."""
+    """nn.Linear, transformers' Conv1D (GPT-2's linears, weight [in, out]; also once a TP class is swapped in),
+    or experts' linears in one 3-D weight (``torchpp.tensor_parallel.expert_linears``: JetMoE's)."""
     return isinstance(module, nn.Linear) or (any(c.__name__ == "Conv1D" for c in type(module).__mro__) and
-                                             getattr(module, "weight", None) is not None and module.weight.dim() == 2)
+                                             getattr(module, "weight", None) is not None and
+                                             module.weight.dim() == 2) or is_expert_linear(module)
 
 
 def _packed_outputs(nodes, outputs: Dict[object, str]) -> Dict[str, int]:

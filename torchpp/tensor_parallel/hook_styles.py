@@ -19,7 +19,8 @@ class ReplicatedWithGradAllReduce(Style):
 
     def apply(self, module, name, ctx):
         for param_name, param in module.named_parameters():
-            if param.requires_grad:
+            layout = getattr(param, "tp_layout", None)
+            if param.requires_grad and (layout is None or layout.dim is None):  # a shard's gradient is its own
                 sum_grads_over_tp(param, ctx)
 
     def apply_param(self, module, param_name, name, ctx):

@@ -84,7 +84,9 @@ def apply_tp_plan(model: nn.Module, plan: Mapping[str, str], ctx: TPContext, *, 
         if name in params and name not in modules:
             owner_name, _, param_name = name.rpartition(".")
             style.apply_param(modules[owner_name], param_name, name, where(name))
-    for name, style_name in resolved.items():
+    # Replicated modules last: one holding split linears (DiffLlama's attention, for its lambdas) sums
+    # the gradients of its parameters no other style has sharded by then.
+    for name, style_name in sorted(resolved.items(), key=lambda item: item[1] == "replicated_with_grad_allreduce"):
         if name in modules:
             get_style(style_name, name, config).apply(modules[name], name, where(name))
     _check_shards_have_owners(model, resolved)

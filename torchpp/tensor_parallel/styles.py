@@ -9,7 +9,9 @@ the module a TP forward: linears and embeddings get a class of their own (a subc
 class, so ``isinstance`` and state-dict names are unchanged), other modules input/output hooks.
 Sharding a parameter and the gradient sums live in ``sharding``, the TP forwards of linears and
 embeddings in ``tp_forwards``; here the linear, embedding and convolution styles and the registry,
-in ``hook_styles`` the styles that give a module hooks or leave it as it is.
+in ``hook_styles`` the styles that give a module hooks or leave it as it is. The column and row
+styles also split experts' linears held in one 3-D weight (``expert_linears``: every expert alike,
+f and g by hooks around the module's own forward).
 
 | style                          | parameters                      | forward                                  |
 |--------------------------------|---------------------------------|------------------------------------------|
@@ -41,6 +43,7 @@ in ``hook_styles`` the styles that give a module hooks or leave it as it is.
 | all_reduce                     | -                               | f on inputs (no TP linear inside), g out |
 | split_head_inputs(a, ...)      | -                               | inputs a, ... cut to this rank's heads   |
 | split_leading_dim              | (parameter) leading dim split   | per-head tensors, heads first            |
+| local_widths(a, ...)           | -                               | integer attributes a, ... divided by tp  |
 | local_params, replicate        | -                               | unchanged (parameters are local here)    |
 """
 from __future__ import annotations
@@ -51,6 +54,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from torchpp.tensor_parallel.expert_linears import split_expert_linear
 from torchpp.tensor_parallel.fused_qkv import fused_qkv_layouts
 from torchpp.tensor_parallel.hook_styles import (AllReduce, CopyOutput, LeadingDim, MlaKvAProj, MoeExperts,
                                                  MoeIdentityExpert, ReplicatedWithGradAllReduce, Unchanged)
@@ -60,8 +64,8 @@ from torchpp.tensor_parallel.sharding import (PlanError, TPContext, full_shape, 
                                               sum_grads_over_copies)
 from torchpp.tensor_parallel.style_base import Style  # the styles' base; imported from here too
 from torchpp.tensor_parallel.tp_forwards import (EmbeddingTP, LinearTP, TPConv1DForward, TPEmbeddingForward,
-                                                 TPLinearForward, _conv1d_class, _linear_kind, _out_dim,
-                                                 _swap_class)
+                                                 TPLinearForward, _conv1d_class, _in_dim, _linear_kind,
+                                                 _out_dim, _swap_class)
 
 
 KEY_VALUE_NAMES = ("k_proj", "v_proj", "key", "value")
@@ -121,13 +125,20 @@ class Colwise(Style):
         out_features = full_shape(module.weight, ctx)[_out_dim(kind)]
         layout, bias_layout = self.layouts(module, name, ctx)
         shard_parameter(module.weight, layout, ctx, f"{name}.weight")
-        if module.bias is not None:
+        if getattr(module, "bias", None) is not None:  # expert linears have none
             shard_parameter(module.bias, bias_layout, ctx, f"{name}.bias")
         copies = isinstance(layout, HeadCopies) or getattr(module.weight, "tp_grad_sum", None) == "rows"
         copied = layout.copied_features(ctx.size) if isinstance(layout, FusedQKV) else 0
-        for param in (module.weight, module.bias):
+        for param in (module.weight, getattr(module, "bias", None)):
             if isinstance(layout, HeadCopies) and param is not None:
                 sum_grads_over_copies(param, ctx)
+        if kind == "experts":  # its own forward on every expert's shard; the f by a hook
+            if self.gather_output or copies or copied:
+                raise PlanError(f"torchpp plan: {name} holds experts' linears, which style {self.name!r} "
+                                f"cannot split (their outputs are not gathered nor copied)")
+            if not self.input_copied:
+                split_expert_linear(module, ctx, column=True)
+            return
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
         # Copies' gradients are summed by a hook, which a deferred (W pass) gradient would skip; copied
@@ -159,12 +170,12 @@ class Rowwise(Style):
 
     def layouts(self, module, name, ctx) -> Tuple[Layout, Layout]:
         """(weight layout, bias layout) of the linear ``module`` (the bias is added after the reduction)."""
-        dim = 1 - _out_dim(_linear_kind(module, name, self.name))
+        dim = _in_dim(_linear_kind(module, name, self.name))
         in_features = full_shape(module.weight, ctx)[dim]
         if in_features % ctx.size:
             raise PlanError(f"torchpp plan: {name} has {in_features} input features, which tp={ctx.size} does "
                             f"not divide")
-        bias = module.bias
+        bias = getattr(module, "bias", None)
         return Split(dim, in_features), (Split(0, bias.shape[0]) if self.scatter_output and bias is not None
                                          else Replicated())
 
@@ -172,8 +183,14 @@ class Rowwise(Style):
         kind = _linear_kind(module, name, self.name)
         layout, bias_layout = self.layouts(module, name, ctx)
         shard_parameter(module.weight, layout, ctx, f"{name}.weight")
-        if module.bias is not None:
+        if getattr(module, "bias", None) is not None:  # expert linears have none
             shard_parameter(module.bias, bias_layout, ctx, f"{name}.bias")
+        if kind == "experts":  # its own forward on every expert's shard; the g by a hook
+            if self.split_input or self.scatter_output or self.copy_output:
+                raise PlanError(f"torchpp plan: {name} holds experts' linears; style {self.name!r} is for linears, "
+                                f"use 'rowwise'")
+            split_expert_linear(module, ctx, column=False)
+            return
         _swap_class(module, TPLinearForward if kind == "linear" else TPConv1DForward,
                     nn.Linear if kind == "linear" else _conv1d_class(), name, self.name)
         module.tp = LinearTP(ctx.group, column=False, split_input=self.split_input, split_bw=ctx.split_bw,
@@ -321,6 +338,12 @@ def get_style(name: str, where: str, config=None) -> Style:
         from torchpp.tensor_parallel.head_inputs import head_inputs_style_of
 
         style = head_inputs_style_of(name)
+        if style is not None:
+            return style
+    if name.startswith("local_widths("):  # parameterised by the attributes it divides
+        from torchpp.tensor_parallel.local_widths import local_widths_style_of
+
+        style = local_widths_style_of(name)
         if style is not None:
             return style
     if name not in STYLES:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchpp import ops
+from torchpp.tensor_parallel.expert_linears import is_expert_linear
 from torchpp.tensor_parallel.fused_qkv import copied_tail_linear
 from torchpp.tensor_parallel.sharding import PlanError
 
@@ -200,8 +201,18 @@ def _linear_kind(module: nn.Module, name: str, style: str) -> str:
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
         return "conv1d"
+    if is_expert_linear(module):
+        return "experts"
     raise PlanError(f"torchpp plan: style {style!r} shards linear layers, but {name} is a {type(module).__name__}")
 
 
+# The weight's output and input feature dims: nn.Linear [out, in], Conv1D [in, out], experts [E, out, in].
+_FEATURE_DIMS = {"linear": (0, 1), "conv1d": (1, 0), "experts": (1, 2)}
+
+
 def _out_dim(kind: str) -> int:
-    return 0 if kind == "linear" else 1  # Conv1D stores [in, out]
+    return _FEATURE_DIMS[kind][0]
+
+
+def _in_dim(kind: str) -> int:
+    return _FEATURE_DIMS[kind][1]

@@ -80,6 +80,8 @@ OVERRIDES: Dict[str, tuple] = {
                        "its audio embedding and head are num_codebooks x codebook_size rows"),
     "gpt_neo": ({"attention_types": [[["global", "local"], NUM_LAYERS // 2]]},
                 "its attention_types expands to one kind per layer, which must count num_layers"),
+    "diffllama": ({"num_key_value_heads": 4}, "its default has as many key/value heads as query heads; its differential "
+                  "halves at 2 leave one key/value head per half, which tp=2 cannot split"),
     "nemotron": ({"num_key_value_heads": 2}, "its default leaves num_key_value_heads None, which its attention divides by"),
     "lfm2_moe": ({"layer_types": ["conv", "full_attention"] * (NUM_LAYERS // 2)},
                  "its default leaves layer_types None, which its decoder layers index"),
