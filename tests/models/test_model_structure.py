@@ -210,9 +210,12 @@ def test_auto_plan_that_splits_nothing_says_why():
     with pytest.raises(PlanError, match=r"nothing in layers splits: layers\.0\.b stays whole: with its readers a: "
                                         r"c also reads its reader a's output"):
         auto_plans(_ToyModel(mixer_only=True))
-    with pytest.raises(PlanError, match=r"nothing in model\.layers splits over tp=2: model\.layers\.0\.mlp\.router"
-                                        r"\.layer stays whole: writes back into the residual stream itself"):
-        auto_plans(tiny_model("jetmoe"), tp=2)  # experts as raw parameters; the router, the only linear
+    # 3 heads and 95 intermediate features, neither of which tp=2 divides: each group's trial fails.
+    with pytest.raises(PlanError, match=r"nothing in model\.layers splits over tp=2: model\.layers\.0\.mlp\.down_proj "
+                                        r"stays whole: .* mlp\.up_proj has 95 output features, which tp=2 does not "
+                                        r"divide \(and 7 more kept whole\)"):
+        auto_plans(tiny_model("llama", num_attention_heads=3, num_key_value_heads=3, head_dim=16, hidden_size=48,
+                              intermediate_size=95), tp=2)
 
 
 def test_auto_plan_refuses_layers_run_without_autograd():

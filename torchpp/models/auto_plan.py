@@ -29,6 +29,10 @@ split by columns, those writing back into it by rows).
   this rank's counts after the split (as DeepSpeed's AutoTP does).
 - Mamba 2 mixers (hybrid families' too) take Megatron's split instead of the rule's
   (``torchpp.models.mamba_plans``), where tp divides their groups.
+- Experts held as raw 3-D parameters (``gate_up_proj`` / ``up_proj`` and ``down_proj``) split as
+  transformers' own MoE plans split them (``torchpp.models.auto_experts``), where the trial holds;
+  experts' linears in one 3-D weight that a forward applies expert by expert (JetMoE's) are
+  linears to the rule (``torchpp.tensor_parallel.expert_linears``).
 - Given the TP size, each group is first tried on one layer in this process
   (``torchpp.models.auto_check``): one whose split fails or changes the result stays whole.
 - A bias built outside the attention for every head (ALiBi) is cut to each rank's heads where
@@ -44,9 +48,9 @@ from __future__ import annotations
 import logging
 from typing import Dict, List, Optional, Tuple
 
-import torch
 from torch import nn
 
+from torchpp.models.auto_experts import ExpertCalls, experts_parameters
 from torchpp.models.auto_fused_qkv import FUSED_QKV_STYLES, local_key_value_counts
 from torchpp.models.auto_trace import PACKED_STYLES, WHOLE_STYLES, LayerTrace, is_linear
 from torchpp.models.plans import layout_around, text_config
@@ -122,11 +126,13 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
         raise PlanError("torchpp.parallelize(plan='auto') runs the model once on a few tokens to read its structure; "
                         "a meta-device model cannot run: build it with weights, or pass plan=")
     traces = [LayerTrace(layer, f"{stack}.{i}", _layer_heads(text_config(model), i)) for i, layer in enumerate(layers)]
+    experts = ExpertCalls(model, stack)
     try:
         traced_forward(model)
     finally:
         for trace in traces:
             trace.remove()
+        experts.remove()
     untracked = [i for i, trace in enumerate(traces) if trace.untracked]
     if untracked:
         raise untracked_layers_error(model, stack, untracked, "plan='auto' reads each layer's autograd graph; "
@@ -151,6 +157,12 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
     plan: Dict[str, str] = {name: style for layer_groups in groups for group in layer_groups
                             for name, style in group.items()}
     plan.update(mixers)
+    if ctx is not None or tp > 1:  # experts of raw 3-D weights: transformers' own split (models.auto_experts)
+        from torchpp.models.auto_check import sized_context
+
+        split_experts, experts_whole = experts.plan(ctx or sized_context(model, tp), plan)
+        plan.update(split_experts)
+        whole.update(experts_whole)
     if not plan:
         _raise_nothing_to_split(stack, tp, whole)
     plan, whole = _as_globs(plan, stack, len(layers)), _as_globs(whole, stack, len(layers))
@@ -199,7 +211,8 @@ def split_counts(model: nn.Module, stack: str, is_split) -> str:
     """
     per_class: Dict[str, List[Tuple[int, int]]] = {}
     for i, layer in enumerate(get_submodule(model, stack)):
-        names = [f"{stack}.{i}.{name}" for name, module in layer.named_modules() if is_linear(module)]
+        names = [f"{stack}.{i}.{name}" for name, module in layer.named_modules()
+                 if is_linear(module) or experts_parameters(module) is not None]
         modules = dict(layer.named_modules())
         split = sum(bool(is_split(name, modules[name[len(f"{stack}.{i}."):]])) for name in names)
         per_class.setdefault(type(layer).__name__, []).append((split, len(names)))

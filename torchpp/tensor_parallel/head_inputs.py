@@ -14,7 +14,6 @@ all-gathers the heads' gradients: every rank's copy of the embedding gets the wh
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -22,23 +21,20 @@ from torch import nn
 
 from torchpp import ops
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
+from torchpp.tensor_parallel.style_base import names_of_style, style_with_names
 from torchpp.tensor_parallel.styles import Style
 
 STYLE = "split_head_inputs"
-_PATTERN = re.compile(rf"{STYLE}\(([\w\s,]*)\)")
 
 
 def head_inputs_style(names: Sequence[str]) -> str:
     """The style name slicing the inputs ``names``: ``split_head_inputs(alibi,attention_mask)``."""
-    return f"{STYLE}({','.join(names)})"
+    return style_with_names(STYLE, names)
 
 
 def parse_head_inputs_style(style: str) -> Optional[Tuple[str, ...]]:
     """The input names of a ``split_head_inputs(...)`` style name; None for any other style."""
-    match = _PATTERN.fullmatch(style)
-    if match is None:
-        return None
-    return tuple(name.strip() for name in match.group(1).split(",") if name.strip())
+    return names_of_style(STYLE, style)
 
 
 class SplitHeadInputs(Style):

@@ -5,27 +5,24 @@ size, so it builds this rank's width. plan="auto" finds which attributes by tryi
 (``torchpp.models.auto_check``); a plan names them like any style."""
 from __future__ import annotations
 
-import re
 from typing import Optional, Sequence, Tuple
 
 from torch import nn
 
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
-from torchpp.tensor_parallel.style_base import Style
+from torchpp.tensor_parallel.style_base import Style, names_of_style, style_with_names
 
 STYLE = "local_widths"
-_PATTERN = re.compile(rf"{STYLE}\(([\w\s,]*)\)")
 
 
 def local_widths_style(names: Sequence[str]) -> str:
     """The style name dividing the attributes ``names``: ``local_widths(hidden_size)``."""
-    return f"{STYLE}({','.join(names)})"
+    return style_with_names(STYLE, names)
 
 
 def parse_local_widths_style(style: str) -> Optional[Tuple[str, ...]]:
     """The attribute names of a ``local_widths(...)`` style name; None for any other style."""
-    match = _PATTERN.fullmatch(style)
-    return None if match is None else tuple(n.strip() for n in match.group(1).split(",") if n.strip())
+    return names_of_style(STYLE, style)
 
 
 def divide_widths(module: nn.Module, names: Sequence[str], size: int, where: str) -> None:

@@ -1,6 +1,9 @@
 """The base of every tensor-parallel style (``torchpp.tensor_parallel.styles`` has the registry)."""
 from __future__ import annotations
 
+import re
+from typing import Optional, Sequence, Tuple
+
 from torch import nn
 
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
@@ -18,3 +21,14 @@ class Style:
 
     def apply_param(self, module: nn.Module, param_name: str, name: str, ctx: TPContext) -> None:
         raise PlanError(f"torchpp plan: style {self.name!r} applies to modules, but {name} is a parameter")
+
+
+def style_with_names(stem: str, names: Sequence[str]) -> str:
+    """The name of a style parameterised by names: ``split_head_inputs(alibi,attention_mask)``."""
+    return f"{stem}({','.join(names)})"
+
+
+def names_of_style(stem: str, style: str) -> Optional[Tuple[str, ...]]:
+    """The names in a ``stem(a, ...)`` style name; None for any other style."""
+    match = re.fullmatch(rf"{stem}\(([\w\s,]*)\)", style)
+    return None if match is None else tuple(name.strip() for name in match.group(1).split(",") if name.strip())

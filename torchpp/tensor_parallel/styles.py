@@ -201,11 +201,13 @@ class Rowwise(Style):
         if param_name.endswith("bias"):  # added after the reduction: whole on every rank
             shard_parameter(param, Replicated(), ctx, name)
             return
+        shard_parameter(param, self.param_layout(param), ctx, name)
+
+    def param_layout(self, param: torch.Tensor) -> Layout:
+        """The layout of a bare parameter the plan names (a fused expert tensor): its last dim split."""
         if self.packed > 1:
-            layout: Layout = Packed(param.dim() - 1, [param.shape[-1] // self.packed] * self.packed)
-        else:
-            layout = Split(param.dim() - 1, param.shape[-1])
-        shard_parameter(param, layout, ctx, name)
+            return Packed(param.dim() - 1, [param.shape[-1] // self.packed] * self.packed)
+        return Split(param.dim() - 1, param.shape[-1])
 
 
 class PackedRowwise(Rowwise):

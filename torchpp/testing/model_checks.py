@@ -251,8 +251,10 @@ def _split_linears(wrapped: nn.Module, reference: nn.Module) -> str:
     model's (plan="auto" may keep some whole)."""
     from torchpp.models.auto_plan import split_counts
 
-    return split_counts(wrapped, wrapped.parallel_plan["pp"].layers, lambda name, linear: linear.weight.numel()
-                        < reference.get_submodule(name).weight.numel())
+    from torchpp.models.auto_experts import split_weight
+
+    return split_counts(wrapped, wrapped.parallel_plan["pp"].layers, lambda name, linear: split_weight(linear).numel()
+                        < split_weight(reference.get_submodule(name)).numel())
 
 
 def check_pp(model_type: str, pp: int = 2, schedule: str = "zb-h1", n_microbatches: int = 4, tp: int = 1,
