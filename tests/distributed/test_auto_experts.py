@@ -2,12 +2,13 @@
 transformers' own MoE plans do: every expert's intermediate features over TP, gate and up half by
 half, f on the tokens and routing weights, the partial outputs summed. On gloo ranks in float64
 against the unwrapped model (torchpp.testing.model_checks: loss, logits, every gradient, one SGD
-step): OLMoE's [E, 2I, H] experts, Llama 4's transposed [E, H, 2I], under sequence parallelism
-and in a pp=2 x tp=2 pipeline. Experts holding biases (added per expert, before the sum) stay
+step): OLMoE's [E, 2I, H] experts, Llama 4's transposed [E, H, 2I], under sequence parallelism,
+in a pp=2 x tp=2 pipeline and with expert parallelism (ep=2 x tp=2, the experts whole or split over TP). Experts holding biases (added per expert, before the sum) stay
 whole, and the log says why."""
 import logging
 
 from torchpp.models.auto_plan import auto_plans
+from torchpp.testing.expert_checks import check_ep
 from torchpp.testing.model_checks import check_pp, check_tp
 from torchpp.testing.tiny_models import tiny_model
 
@@ -32,6 +33,19 @@ def _pipelined():
 
 def test_experts_split_in_a_pipeline(ranks):
     assert all("grads on this rank" in d for d in ranks(4).run(_pipelined, timeout=TIMEOUT_S))
+
+
+def _with_expert_parallelism():
+    return [check_ep("olmoe", ep=2, tp=2, plan="auto"),
+            check_ep("olmoe", ep=2, tp=2, plan="auto", expert_tensor_parallel=True)]
+
+
+def test_experts_under_expert_parallelism(ranks):
+    # ep=2 x tp=2: each rank's 2 of 4 whole experts (the auto plan's TP entries for them dropped), or,
+    # with expert_tensor_parallel, its 2 experts split over TP by the auto plan's entries.
+    for plain, split in ranks(4).run(_with_expert_parallelism, timeout=TIMEOUT_S):
+        assert plain.endswith("experts {(2, 64, 96), (2, 192, 64)}"), plain
+        assert split.endswith("experts {(2, 96, 64), (2, 64, 48)}"), split
 
 
 def test_experts_with_biases_stay_whole(caplog):

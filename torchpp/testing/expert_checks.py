@@ -55,7 +55,7 @@ def route_everything_to(model, experts) -> None:
 
 
 def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = False, zero: bool = False,
-              max_norm=None, route_to=None, **extra) -> str:
+              max_norm=None, route_to=None, plan=None, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, ep=ep)
     model = tiny_model(model_type, output_router_logits=True, router_aux_loss_coef=AUX_COEF, **extra)
     reference = copy.deepcopy(model).to(state.device)
@@ -70,7 +70,7 @@ def _check_ep(model_type: str, ep: int, tp: int, expert_tensor_parallel: bool = 
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     _sgd(reference.parameters())
 
-    wrapped = parallelize(model, state=state, ep=ep, expert_tensor_parallel=expert_tensor_parallel)
+    wrapped = parallelize(model, state=state, ep=ep, expert_tensor_parallel=expert_tensor_parallel, plan=plan)
     wrapped.loss_function = exact_causal_lm_loss
     optimizer = DistributedOptimizer(wrapped.named_parameters(), torch.optim.SGD, state, lr=LR, zero=zero,
                                      max_norm=max_norm)
