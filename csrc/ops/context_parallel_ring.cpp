@@ -1,7 +1,10 @@
 // Ring attention: each rank keeps its queries and passes key/value shards around the ring in
 // c-1 steps, posting the next transfer before computing the current block. The backward
 // passes key/value the same way and the key/value gradients one step behind them; after the
-// last step they arrive back at the shard's owner.
+// last step they arrive back at the shard's owner. Memory per rank: the keys and values travel
+// as two messages, the first step sending the inputs themselves (no stacked copy); the first
+// step's gradients accumulate straight into the message that carries their sum, and a later
+// step's are freed once added to the sum, before the next message's buffer is allocated.
 #include <limits>
 #include <tuple>
 
@@ -16,9 +19,10 @@ namespace torchpp::cp {
 namespace {
 
 constexpr const char* kOp = "ring_attention";
-// Distinct tags keep the key/value and gradient streams apart on backends that match by tag.
-constexpr int kKeyValueTag = 0x6370;
+// Distinct tags keep the key, value and gradient streams apart on backends that match by tag.
+constexpr int kKeyTag = 0x6370;
 constexpr int kGradTag = 0x6371;
+constexpr int kValueTag = 0x6372;
 
 struct Ring {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
@@ -60,11 +64,25 @@ void for_each_block(const Ring& ring, int64_t src, Layout layout, bool causal, c
   }
 }
 
-// Keys and values stacked as one message per ring step; a ring of one rank sends none, so it reads
-// k and v where they are (no copy of either).
-at::Tensor key_value_message(const Ring& ring, const at::Tensor& k, const at::Tensor& v) {
-  return ring.size > 1 ? at::stack({k, v}) : at::Tensor();
-}
+// The key/value shard a step computes with: the inputs at the first step, then the buffers the
+// previous rank's shard arrived in.
+struct KeyValues {
+  at::Tensor keys, values;
+};
+
+// One step's key/value transfer: this rank's shard to the next rank, the previous rank's in.
+class KeyValueExchange {
+ public:
+  KeyValueExchange() = default;
+  KeyValueExchange(const Ring& ring, const KeyValues& kv)
+      : keys_(*ring.group, kv.keys, at::empty_like(kv.keys), ring.next(), ring.prev(), kKeyTag),
+        values_(*ring.group, kv.values, at::empty_like(kv.values), ring.next(), ring.prev(), kValueTag) {}
+  bool pending() const { return keys_.pending(); }
+  KeyValues wait() { return {keys_.wait(), values_.wait()}; }
+
+ private:
+  Exchange keys_, values_;
+};
 
 // Calls fn(piece of `message` ([dk, dv] stacked), that piece's gradient or undefined) for every key piece.
 template <class Fn>
@@ -78,14 +96,16 @@ void for_each_key_piece(at::Tensor& message, const std::vector<at::Tensor>& dks,
   }
 }
 
-// The first step's key/value gradients as the message that carries their running sum: [dk, dv] in
-// the accumulation dtype, each key piece copied in (zeros where no block reached it).
-at::Tensor key_value_grads(const std::vector<at::Tensor>& dks, const std::vector<at::Tensor>& dvs,
-                           at::IntArrayRef stacked_sizes, const at::TensorOptions& acc, int64_t piece_len) {
-  auto message = at::empty(stacked_sizes, acc);
-  for_each_key_piece(message, dks, dvs, piece_len, [](at::Tensor& piece, const at::Tensor& grad) {
-    grad.defined() ? piece.copy_(grad) : piece.zero_();
-  });
+// The message that carries a shard's key/value gradient sum ([dk, dv] in the accumulation dtype,
+// zeros), with each key piece's gradient accumulators set to views of it: the first step's blocks
+// accumulate into it in place.
+at::Tensor key_value_grads_in_place(std::vector<at::Tensor>& dks, std::vector<at::Tensor>& dvs,
+                                    at::IntArrayRef stacked_sizes, const at::TensorOptions& acc, int64_t piece_len) {
+  auto message = at::zeros(stacked_sizes, acc);
+  for (size_t j = 0; j < dks.size(); ++j) {
+    dks[j] = message[0].narrow(2, static_cast<int64_t>(j) * piece_len, piece_len);
+    dvs[j] = message[1].narrow(2, static_cast<int64_t>(j) * piece_len, piece_len);
+  }
   return message;
 }
 
@@ -130,19 +150,18 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
   auto queries = split_queries(q, shapes, q.scalar_type());
   std::vector<at::Tensor> outs(queries.size()), lses(queries.size());  // set by each piece's first block
   const int64_t n = shapes.piece_len;
-  at::Tensor kv = key_value_message(ring, k, v);
+  KeyValues kv{k.contiguous(), v.contiguous()};
   for (int64_t step = 0; step < ring.size; ++step) {
-    Exchange incoming;
+    KeyValueExchange incoming;
     if (step + 1 < ring.size) {  // posted before this block's compute, so the two overlap
-      incoming = Exchange(*ring.group, kv, at::empty_like(kv), ring.next(), ring.prev(), kKeyValueTag);
+      incoming = KeyValueExchange(ring, kv);
     }
     {
       RECORD_FUNCTION("torchpp::ring_attention::block", std::vector<c10::IValue>());
-      const auto keys = kv.defined() ? kv[0] : k, values = kv.defined() ? kv[1] : v;
       for_each_block(ring, ring.source(step), layout, causal, shapes, segments, q.device(),
                      [&](int64_t i, int64_t j, const BlockMask& mask) {
-                       auto [out, lse] = block_forward(queries[i], keys.narrow(2, j * n, n),
-                                                       values.narrow(2, j * n, n), mask, shapes);
+                       auto [out, lse] = block_forward(queries[i], kv.keys.narrow(2, j * n, n),
+                                                       kv.values.narrow(2, j * n, n), mask, shapes);
                        merge_block(outs[i], lses[i], std::move(out), lse);
                      });
     }
@@ -171,23 +190,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
   auto outs = split_queries(out, shapes, q.scalar_type());
   std::vector<at::Tensor> dqs(queries.size());  // set by each piece's first block
   const int64_t n = shapes.piece_len;
-  at::Tensor kv = key_value_message(ring, k, v);
+  KeyValues kv{k.contiguous(), v.contiguous()};
   auto stacked_sizes = k.sizes().vec();
   stacked_sizes.insert(stacked_sizes.begin(), 2);
-  Exchange incoming, gradients;
+  KeyValueExchange incoming;
+  Exchange gradients;
   at::Tensor own_k, own_v;
   for (int64_t step = 0; step < ring.size; ++step) {
     if (step + 1 < ring.size) {
-      incoming = Exchange(*ring.group, kv, at::empty_like(kv), ring.next(), ring.prev(), kKeyValueTag);
+      incoming = KeyValueExchange(ring, kv);
     }
     std::vector<at::Tensor> dks(shapes.pieces), dvs(shapes.pieces);  // this step's, per key piece
+    at::Tensor block_grads;
+    if (step == 0 && ring.size > 1) {  // the first step's gradients start the sum that travels
+      block_grads = key_value_grads_in_place(dks, dvs, stacked_sizes, k.options().dtype(shapes.acc_dtype), n);
+    }
     {
       RECORD_FUNCTION("torchpp::ring_attention::block_backward", std::vector<c10::IValue>());
-      const auto keys = kv.defined() ? kv[0] : k, values = kv.defined() ? kv[1] : v;
       for_each_block(ring, ring.source(step), layout, causal, shapes, segments, q.device(),
                      [&](int64_t i, int64_t j, const BlockMask& mask) {
-                       block_backward(queries[i], keys.narrow(2, j * n, n), values.narrow(2, j * n, n), grads[i],
-                                      outs[i], lses[i], mask, shapes, dqs[i], dks[j], dvs[j]);
+                       block_backward(queries[i], kv.keys.narrow(2, j * n, n), kv.values.narrow(2, j * n, n),
+                                      grads[i], outs[i], lses[i], mask, shapes, dqs[i], dks[j], dvs[j]);
                      });
     }
     if (ring.size == 1) {  // nothing to send: the pieces are the gradients
@@ -195,14 +218,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
       own_v = join_key_pieces(dvs, v, shapes);
       break;
     }
-    at::Tensor block_grads;
     if (gradients.pending()) {  // the sum so far for this key/value shard, from the previous rank
       RECORD_FUNCTION("torchpp::ring_attention::wait", std::vector<c10::IValue>());
       block_grads = gradients.wait();
       add_key_value_grads(block_grads, dks, dvs, n);
-    } else {
-      block_grads = key_value_grads(dks, dvs, stacked_sizes, k.options().dtype(shapes.acc_dtype), n);
     }
+    dks.clear();  // added in: freed before the next message's buffer is allocated
+    dvs.clear();
     // After the last step this send delivers the sum to the shard's owner.
     gradients = Exchange(*ring.group, block_grads, at::empty_like(block_grads), ring.next(), ring.prev(), kGradTag);
     if (incoming.pending()) {
