@@ -206,12 +206,12 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
         return None  # a gathered group computes whole activations: nothing the split could change
     args, kwargs = _detached(call)
     try:
-        expected = _writer_output(_copy(layer), writer, args, kwargs, backward=False)
+        expected = _writer_output(_copy(layer, {}), writer, args, kwargs, backward=False)
     except Exception:  # noqa: BLE001 - a layer that cannot be called again here is split untried, as before
         return None
     total = None
     for rank in range(ctx.size):
-        local = _copy(layer)
+        local = _copy(layer, group)
         try:
             _shard(local, group, ctx, rank)
             output = _writer_output(local, writer, args, kwargs, backward=True)
@@ -227,12 +227,29 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
     return None
 
 
-def _copy(layer: nn.Module) -> nn.Module:
-    """A copy of ``layer`` in eval mode; state a layer keeps from the traced call (a recurrent
-    state with autograd history, which deepcopy refuses) is copied detached."""
+def _copy(layer: nn.Module, group: Dict[str, str]) -> nn.Module:
+    """A copy of ``layer`` in eval mode in which only the parameters ``group`` splits are copied:
+    the others are ``layer``'s own, detached (read, never given a gradient), so a trial costs the
+    group's weights, not the layer's (a MoE layer's experts are not copied once per simulated
+    rank). State a layer keeps from the traced call (a recurrent state with autograd history,
+    which deepcopy refuses) is copied detached."""
     memo = {id(value): value.detach().clone() for module in layer.modules() for value in vars(module).values()
             if isinstance(value, torch.Tensor) and value.grad_fn is not None}
+    split = {id(p) for p in _split_parameters(layer, group)}
+    memo.update({id(p): p.detach() for p in layer.parameters() if id(p) not in split})
     return copy.deepcopy(layer, memo).eval()
+
+
+def _split_parameters(layer: nn.Module, group: Dict[str, str]) -> List[torch.Tensor]:
+    """The parameters ``group`` shards (a split module's, or a split parameter itself)."""
+    found = []
+    for name, style in group.items():
+        if style in WHOLE_STYLES or parse_head_inputs_style(style) is not None or \
+                parse_local_widths_style(style) is not None:
+            continue
+        target = _get(layer, name)
+        found += [target] if isinstance(target, nn.Parameter) else list(target.parameters())
+    return found
 
 
 def _detached(call):

@@ -125,15 +125,13 @@ def _first_split_that_holds(module: nn.Module, call, ctx: TPContext) -> Tuple[Op
 def _why_not(module: nn.Module, call, entries: Dict[str, str], ctx: TPContext) -> Optional[str]:
     args, kwargs = call
     try:
-        expected = _run(copy.deepcopy(module), args, kwargs)
+        expected = _run(module, {}, args, kwargs)
         total = None
         for rank in range(ctx.size):
-            local = copy.deepcopy(module)
-            for param_name, style in entries.items():
-                param = getattr(local, param_name)
-                shard = STYLES[style].param_layout(param).shard(param.data, rank, ctx.size)
-                setattr(local, param_name, nn.Parameter(shard.clone(), requires_grad=param.requires_grad))
-            output = _run(local, args, kwargs)
+            shards = {name: STYLES[style].param_layout(getattr(module, name)).shard(getattr(module, name).detach(),
+                                                                                     rank, ctx.size).clone()
+                      for name, style in entries.items()}
+            output = _run(module, shards, args, kwargs)
             total = output if total is None else total + output
     except Exception as error:  # noqa: BLE001 - any failure of the split module is the answer
         return f"split over tp={ctx.size} it fails: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
@@ -145,10 +143,15 @@ def _why_not(module: nn.Module, call, entries: Dict[str, str], ctx: TPContext) -
     return None
 
 
-def _run(module: nn.Module, args, kwargs) -> torch.Tensor:
+def _run(module: nn.Module, shards: Dict[str, torch.Tensor], args, kwargs) -> torch.Tensor:
+    """``module``'s output on the call, in eval mode, with ``shards`` in place of those parameters:
+    a shallow copy holds them (the experts' weights are never copied whole)."""
+    local = copy.copy(module)
+    local._parameters = {**module._parameters, **shards}
+    local.training = False
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     with torch.no_grad(), rng_restored(device):
-        output = module.eval()(*args, **kwargs)
+        output = local(*args, **kwargs)
     return output[0] if isinstance(output, tuple) else output
 
 
