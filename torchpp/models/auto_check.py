@@ -104,7 +104,7 @@ def _first_that_holds(layer, call, group: Dict[str, str], ctx, head_inputs: Opti
         variants.append({**group, **{n: packed for n in readers}})
     variants += fused_qkv_variants(layer, group, ctx)  # fused q/k/v of unequal parts (multi-query attention)
     variants += [whole for whole in (_per_head_vectors_whole(layer, v) for v in [group] + variants) if whole]
-    variants += [local for v in [group] + variants for local in local_width_variants(layer, v)]
+    variants += [local for v in [group] + variants for local in _local_width_variants(layer, v)]
     if head_inputs:
         variants += [{**variant, **head_inputs} for variant in [group] + variants]
     sliced_why = ""
@@ -128,7 +128,7 @@ def _per_head_vectors_whole(layer: nn.Module, group: Dict[str, str]) -> Optional
             **{n: "replicated_with_grad_allreduce" for n in vectors}}
 
 
-def local_width_variants(layer: nn.Module, group: Dict[str, str]) -> List[Dict[str, str]]:
+def _local_width_variants(layer: nn.Module, group: Dict[str, str]) -> List[Dict[str, str]]:
     """``group`` once per integer attribute of a module holding a column-split expert linear that
     equals the linear's whole output width, with that attribute divided by the TP size
     (``local_widths``), then with all of them: the module may build that width itself."""
@@ -196,8 +196,7 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
     writer = _writer(group)
     for name, style in group.items():
         target = _get(layer, name)
-        if isinstance(target, nn.Module) and style not in WHOLE_STYLES and parse_head_inputs_style(style) is None \
-                and parse_local_widths_style(style) is None and not is_expert_linear(target):
+        if isinstance(target, nn.Module) and _shards_parameters(style) and not is_expert_linear(target):
             try:
                 check_own_forward(target, None, name, style)
             except PlanError:  # parallelize would refuse the style on it
@@ -244,12 +243,16 @@ def _split_parameters(layer: nn.Module, group: Dict[str, str]) -> List[torch.Ten
     """The parameters ``group`` shards (a split module's, or a split parameter itself)."""
     found = []
     for name, style in group.items():
-        if style in WHOLE_STYLES or parse_head_inputs_style(style) is not None or \
-                parse_local_widths_style(style) is not None:
-            continue
-        target = _get(layer, name)
-        found += [target] if isinstance(target, nn.Parameter) else list(target.parameters())
+        if _shards_parameters(style):
+            target = _get(layer, name)
+            found += [target] if isinstance(target, nn.Parameter) else list(target.parameters())
     return found
+
+
+def _shards_parameters(style: str) -> bool:
+    """Whether ``style`` shards what it names (not: whole, per-head inputs, widths)."""
+    return style not in WHOLE_STYLES and parse_head_inputs_style(style) is None and \
+        parse_local_widths_style(style) is None
 
 
 def _detached(call):
