@@ -90,8 +90,9 @@ def test_ptdp_page_auto_plan_example_keeps_the_mixer_whole(tmp_path):
         in output, output
     assert "linears split per layer: Lfm3DecoderLayer 3-8/8" in output, output
     assert "linears split per layer: BambaDecoderLayer 5/5" in output, output
-    assert "linears split per layer: JambaMambaDecoderLayer 4-7/7" in output, output
+    assert "linears split per layer: JambaMambaDecoderLayer 5-7/7" in output, output  # experts counted
     assert "linears split per layer: BloomBlock 4/4" in output, output
+    assert "linears split per layer: OlmoeDecoderLayer 5/5" in output, output  # its experts too
 
 
 def test_ptdp_page_user_plan_example_trains(tmp_path):
