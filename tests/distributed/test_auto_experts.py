@@ -3,9 +3,13 @@ transformers' own MoE plans do: every expert's intermediate features over TP, ga
 half, f on the tokens and routing weights, the partial outputs summed. On gloo ranks in float64
 against the unwrapped model (torchpp.testing.model_checks: loss, logits, every gradient, one SGD
 step): OLMoE's [E, 2I, H] experts, Llama 4's transposed [E, H, 2I], under sequence parallelism,
-in a pp=2 x tp=2 pipeline and with expert parallelism (ep=2 x tp=2, the experts whole or split over TP). Experts holding biases (added per expert, before the sum) stay
-whole, and the log says why."""
+in a pp=2 x tp=2 pipeline and with expert parallelism (ep=2 x tp=2, the experts whole or split
+over TP). Experts holding biases (added per expert, before the sum) stay whole, and the log says
+why. A user plan naming experts' linears held in one 3-D weight (JetMoE's layout) splits them like
+linears, one called with its input by keyword too."""
 import logging
+
+import torch
 
 from torchpp.models.auto_plan import auto_plans
 from torchpp.testing.expert_checks import check_ep
@@ -55,3 +59,57 @@ def test_experts_with_biases_stay_whole(caplog):
     assert not any("experts" in name for name in plan), plan
     assert "mlp.experts: kept whole (holds down_proj_bias, gate_up_proj_bias besides its experts' weights)" \
         in caplog.text, caplog.text
+
+
+class _PerExpert(torch.nn.Module):
+    """Experts' linears in one 3-D weight, each expert applied to its own rows (JetMoE's layout)."""
+
+    def __init__(self, experts, out, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, out, width, dtype=torch.float64))
+
+    def forward(self, inputs, sizes):
+        return torch.cat([rows @ self.weight[i].t() for i, rows in enumerate(inputs.split(sizes))])
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = _PerExpert(3, 8, 4), _PerExpert(3, 4, 8)
+
+    def forward(self, x, sizes):
+        return self.down(torch.relu(self.up(inputs=x, sizes=sizes)), sizes)  # up called by keyword
+
+
+def _user_plan_on_expert_linears():
+    import copy
+
+    import torchpp
+    from torchpp.models import parallelize
+
+    state = torchpp.init_parallel(tp=2)
+    try:
+        torch.manual_seed(0)
+        model, x, sizes = _Experts(), torch.randn(6, 4, dtype=torch.float64), [1, 3, 2]
+        reference = copy.deepcopy(model)
+        reference(x, sizes).square().sum().backward()
+        wrapped = parallelize(model, plan={"tp": {"up": "colwise", "down": "rowwise"}}, state=state)
+        x.requires_grad_(True)
+        wrapped(x, sizes).square().sum().backward()
+        x_ref = x.detach().clone().requires_grad_(True)
+        copy.deepcopy(reference)(x_ref, sizes).square().sum().backward()
+        rows = slice(4 * state.tp_rank, 4 * (state.tp_rank + 1))
+        torch.testing.assert_close(wrapped.up.weight.grad, reference.up.weight.grad[:, rows], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(wrapped.down.weight.grad, reference.down.weight.grad[:, :, rows], rtol=1e-10,
+                                   atol=1e-12)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12)  # the f summed the input's gradient
+        return tuple(wrapped.up.weight.shape), tuple(wrapped.down.weight.shape)
+    finally:
+        torchpp.destroy_parallel()
+
+
+def test_a_user_plan_splits_expert_linears(ranks):
+    # A plan naming experts' linears (told by their forward) splits them like linears, an input
+    # given by keyword included: each rank's 4 of up's 8 output features and down's 8 input
+    # features, of every expert; the input's gradient summed over TP (f), the output's (g).
+    assert ranks(2).run(_user_plan_on_expert_linears, timeout=TIMEOUT_S) == [((3, 4, 4), (3, 4, 4))] * 2

@@ -7,6 +7,7 @@ on the shards as it is, so hooks carry the f and the g."""
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Dict
 
 import torch
@@ -59,11 +60,12 @@ def _applies_each_expert(module: nn.Module, weight: torch.Tensor) -> bool:
 def split_expert_linear(module: nn.Module, ctx, column: bool) -> None:
     """Hooks the f (column split: on the rows entering) or the g (row split: on the partial
     outputs) around an expert linear whose weight is already this rank's shard."""
-    group = ctx.group
-    if column:
-        def enter(module, args):
-            return (ops.copy_to_tp_region(args[0], group),) + tuple(args[1:])
+    from torchpp.tensor_parallel.hook_styles import _first_arg_hook, _map_first_output  # (they import this module)
 
-        ctx.hooks.append(module.register_forward_pre_hook(enter))
+    group = ctx.group
+    if column:  # the rows entering: the forward's first argument, given by position or by name
+        first = next(iter(inspect.signature(module.forward).parameters), "inputs")
+        enter = _first_arg_hook(lambda rows: ops.copy_to_tp_region(rows, group), names=(first,))
+        ctx.hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
     else:
-        ctx.hooks.append(module.register_forward_hook(lambda m, args, out: ops.reduce_from_tp_region(out, group)))
+        ctx.hooks.append(module.register_forward_hook(_map_first_output(lambda y: ops.reduce_from_tp_region(y, group))))
