@@ -203,7 +203,7 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
                 return f"{name}'s class {type(target).__name__} computes its own forward, which no TP style can shard"
     if group[writer] not in ROW_STYLES or call is None:
         return None  # a gathered group computes whole activations: nothing the split could change
-    args, kwargs = _detached(call)
+    args, kwargs = detached(call)
     try:
         expected = _writer_output(_copy(layer, {}), writer, args, kwargs, backward=False)
     except Exception:  # noqa: BLE001 - a layer that cannot be called again here is split untried, as before
@@ -219,11 +219,18 @@ def _why_not(layer: nn.Module, call, group: Dict[str, str], ctx: TPContext) -> O
         if output is None or expected is None or output.shape != expected.shape:
             return f"split over tp={ctx.size}, {writer} does not give the unsplit layer's output shape"
         total = output if total is None else total + output
-    tolerance = TOLERANCE.get(expected.dtype, HALF_TOLERANCE) * max(1.0, expected.abs().max().item())
-    difference = (total - expected).abs().max().item()
-    if difference > tolerance:
+    difference = summed_difference(total, expected)
+    if difference is not None:
         return f"split over tp={ctx.size}, the summed outputs of {writer} differ from the unsplit ones by {difference:.2e}"
     return None
+
+
+def summed_difference(total: torch.Tensor, expected: torch.Tensor) -> Optional[float]:
+    """|the simulated ranks' summed outputs - the unsplit ones| where beyond the dtype's tolerance
+    (relative to the output's scale); None where they agree."""
+    tolerance = TOLERANCE.get(expected.dtype, HALF_TOLERANCE) * max(1.0, expected.abs().max().item())
+    difference = (total - expected).abs().max().item()
+    return difference if difference > tolerance else None
 
 
 def _copy(layer: nn.Module, group: Dict[str, str]) -> nn.Module:
@@ -255,7 +262,8 @@ def _shards_parameters(style: str) -> bool:
         parse_local_widths_style(style) is None
 
 
-def _detached(call):
+def detached(call):
+    """(args, kwargs) of a recorded call, their tensors detached."""
     def detach(value):
         if isinstance(value, torch.Tensor):
             return value.detach()

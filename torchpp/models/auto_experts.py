@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from torchpp.models.auto_check import detached, summed_difference
 from torchpp.tensor_parallel.random import rng_restored
 from torchpp.tensor_parallel.styles import STYLES, TPContext
 
@@ -24,8 +25,6 @@ UP_NAMES = ("gate_up_proj", "up_proj")
 # (up, down) styles per layout: [E, out, in] weights split like linears, the transposed ones mirrored.
 LAYOUT_STYLES = {("standard", True): ("packed_colwise", "rowwise"), ("standard", False): ("colwise", "rowwise"),
                  ("transposed", True): ("packed_rowwise", "colwise"), ("transposed", False): ("rowwise", "colwise")}
-# |sum of the ranks' outputs - the unsplit one| allowed, relative to its scale, per dtype.
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 def experts_parameters(module: nn.Module) -> Optional[Tuple[str, torch.Tensor, torch.Tensor]]:
@@ -74,7 +73,7 @@ class ExpertCalls:
 
     def _called(self, name: str):
         def hook(module, args, kwargs):
-            self.calls.setdefault(name, (_detached(args), {k: _detached(v) for k, v in kwargs.items()}))
+            self.calls.setdefault(name, detached((args, kwargs)))
         return hook
 
     def remove(self) -> None:
@@ -137,8 +136,8 @@ def _why_not(module: nn.Module, call, entries: Dict[str, str], ctx: TPContext) -
         return f"split over tp={ctx.size} it fails: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
     if not isinstance(total, torch.Tensor) or total.shape != expected.shape:
         return f"split over tp={ctx.size} it does not give the unsplit module's output shape"
-    difference = (total - expected).abs().max().item()
-    if difference > TOLERANCE.get(expected.dtype, 2e-2) * max(1.0, expected.abs().max().item()):
+    difference = summed_difference(total, expected)
+    if difference is not None:
         return f"split over tp={ctx.size}, its summed outputs differ from the unsplit ones by {difference:.2e}"
     return None
 
@@ -154,10 +153,3 @@ def _run(module: nn.Module, shards: Dict[str, torch.Tensor], args, kwargs) -> to
         output = local(*args, **kwargs)
     return output[0] if isinstance(output, tuple) else output
 
-
-def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    return value

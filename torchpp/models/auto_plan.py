@@ -139,10 +139,12 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
                                      "pass plan=")
     groups = [trace.decide() for trace in traces]
     whole = {f"{trace.path}.{name}": why for trace in traces for name, why in trace.whole.items()}
+    trial = None  # the TP context each split is tried at, in this process
     if ctx is not None or tp > 1:
         from torchpp.models.auto_check import keep_groups_that_split, sized_context
 
-        groups, failing = keep_groups_that_split(traces, groups, ctx or sized_context(model, tp))
+        trial = ctx or sized_context(model, tp)
+        groups, failing = keep_groups_that_split(traces, groups, trial)
         whole.update(failing)
     mixers: Dict[str, str] = {}
     if ctx is not None or tp > 1:  # Mamba mixers: Megatron's split, beyond the rule (models.mamba_plans)
@@ -157,10 +159,8 @@ def auto_plans(model: nn.Module, tp: int = 1, ctx: Optional[TPContext] = None
     plan: Dict[str, str] = {name: style for layer_groups in groups for group in layer_groups
                             for name, style in group.items()}
     plan.update(mixers)
-    if ctx is not None or tp > 1:  # experts of raw 3-D weights: transformers' own split (models.auto_experts)
-        from torchpp.models.auto_check import sized_context
-
-        split_experts, experts_whole = experts.plan(ctx or sized_context(model, tp), plan)
+    if trial is not None:  # experts of raw 3-D weights: transformers' own split (models.auto_experts)
+        split_experts, experts_whole = experts.plan(trial, plan)
         plan.update(split_experts)
         whole.update(experts_whole)
     if not plan:

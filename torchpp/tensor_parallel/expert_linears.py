@@ -52,7 +52,9 @@ def _applies_each_expert(module: nn.Module, weight: torch.Tensor) -> bool:
         except Exception:  # noqa: BLE001 - a forward that cannot take (rows, sizes) is not one
             return False
         expected = torch.cat([F.linear(rows, weight[i]) for i, rows in enumerate(x.split(sizes))])
-    rtol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(weight.dtype, 1e-2)
+    from torchpp.tensor_parallel.tp_forwards import SAME_FORWARD_RTOL  # (it imports this module)
+
+    rtol = SAME_FORWARD_RTOL.get(weight.dtype, 1e-2)
     return isinstance(own, torch.Tensor) and own.shape == expected.shape and \
         torch.allclose(own, expected, rtol=rtol, atol=rtol * float(expected.abs().max()))
 
