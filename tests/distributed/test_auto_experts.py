@@ -4,8 +4,8 @@ half, f on the tokens and routing weights, the partial outputs summed. On gloo r
 against the unwrapped model (torchpp.testing.model_checks: loss, logits, every gradient, one SGD
 step): OLMoE's [E, 2I, H] experts, Llama 4's transposed [E, H, 2I], under sequence parallelism,
 in a pp=2 x tp=2 pipeline and with expert parallelism (ep=2 x tp=2, the experts whole or split
-over TP). Experts holding biases (added per expert, before the sum) stay whole, and the log says
-why. A user plan naming experts' linears held in one 3-D weight (JetMoE's layout) splits them like
+over TP). Per-expert biases split with their weights (GPT-OSS); experts holding any other
+parameter stay whole, and the log says why. A user plan naming experts' linears held in one 3-D weight (JetMoE's layout) splits them like
 linears, one called with its input by keyword too."""
 import logging
 
@@ -52,12 +52,25 @@ def test_experts_under_expert_parallelism(ranks):
         assert split.endswith("experts {(2, 96, 64), (2, 64, 48)}"), split
 
 
-def test_experts_with_biases_stay_whole(caplog):
+def test_experts_with_biases_split_with_them():
+    # GPT-OSS's gate and up alternate feature by feature: the half-by-half split fails its trial, the
+    # plain one holds (each rank's features whole pairs); the biases split with their weights.
+    # (tests/distributed/test_gpt_oss.py runs the model so split on gloo ranks.)
+    plan, _ = auto_plans(tiny_model("gpt_oss"), tp=2)
+    experts = "model.layers.*.mlp.experts"
+    assert {k: v for k, v in plan.items() if k.startswith(experts)} == {
+        experts: "moe_tp_experts", f"{experts}.gate_up_proj": "rowwise", f"{experts}.down_proj": "colwise",
+        f"{experts}.gate_up_proj_bias": "colwise", f"{experts}.down_proj_bias": "partial_sum_bias"}, plan
+
+
+def test_experts_holding_other_parameters_stay_whole(caplog):
     model = tiny_model("gpt_oss")
+    for layer in model.model.layers:
+        layer.mlp.experts.register_parameter("scale", torch.nn.Parameter(torch.ones(1, dtype=torch.float64)))
     with caplog.at_level(logging.INFO, logger="torchpp"):
         plan, _ = auto_plans(model, tp=2)
     assert not any("experts" in name for name in plan), plan
-    assert "mlp.experts: kept whole (holds down_proj_bias, gate_up_proj_bias besides its experts' weights)" \
+    assert "mlp.experts: kept whole (holds scale besides its experts' weights and [experts, features] biases)" \
         in caplog.text, caplog.text
 
 

@@ -160,8 +160,9 @@ def test_clear_errors(ranks, tmp_path):
 
 # DCP training checkpoints of models whose TP shards are not one contiguous block of the full
 # tensor: fused qkv/gate_up split block by block (Phi-3), fused qkv + a vocabulary padded to a
-# multiple of tp (GPT-2, 61 tokens), one key/value head copied onto both TP ranks (Qwen2).
-DCP_KINDS = (("phi3", 2), ("gpt2", 2), ("qwen2", 1))
+# multiple of tp (GPT-2, 61 tokens), one key/value head copied onto both TP ranks (Qwen2), experts
+# split along their last dim with their biases, one whole and summed over TP (GPT-OSS).
+DCP_KINDS = (("phi3", 2), ("gpt2", 2), ("qwen2", 1), ("gpt_oss", None))
 
 
 def _dcp_steps(kind, kv_heads, tp, root, save_after=None, load=False, dtype=torch.float64, restore=True, zero=0,

@@ -316,7 +316,7 @@ def _shard(layer: nn.Module, group: Dict[str, str], ctx: TPContext, rank: int) -
         if isinstance(target, nn.Parameter):  # a per-head vector split with the heads
             parent, _, leaf = name.rpartition(".")
             owner = layer.get_submodule(parent) if parent else layer
-            _set(owner, leaf, STYLES[style].param_layout(target).shard(target.data, rank, ctx.size))
+            _set(owner, leaf, STYLES[style].local_value(target, leaf, rank, ctx.size))
             continue
         weight_layout, bias_layout = STYLES[style].layouts(target, name, ctx)
         _set(target, "weight", weight_layout.shard(target.weight.data, rank, ctx.size))

@@ -1,14 +1,15 @@
 """plan="auto"'s mixture-of-experts MLPs held as raw 3-D parameters (transformers' experts modules:
 ``gate_up_proj`` [E, 2I, H] or an ungated ``up_proj`` [E, I, H], and ``down_proj`` [E, H, I]; Llama
-4's transposed [E, H, 2I] and [E, I, H]), which hold most of a MoE model's weights and no
-``nn.Linear`` for the trace to follow. They split as transformers' own plans split them (Qwen3-MoE's):
-each rank holds its share of every expert's intermediate features, gate and up half by half; the
-tokens and routing weights enter through f and the partial outputs are summed
-(``moe_tp_experts``). Each kind of experts module is first tried in this process on the call the
+4's and GPT-OSS's transposed [E, H, 2I] and [E, I, H]), which hold most of a MoE model's weights and
+no ``nn.Linear`` for the trace to follow. They split as transformers' own plans split them
+(Qwen3-MoE's): each rank holds its share of every expert's intermediate features, gate and up half
+by half (or pair by pair where they alternate, GPT-OSS's); the tokens and routing weights enter
+through f and the partial outputs are summed (``moe_tp_experts``). Per-expert biases split with
+them: the up bias like the up weight's features, the down bias, added before the sum, as
+``partial_sum_bias``. Each kind of experts module is first tried in this process on the call the
 traced forward made to it, once per simulated rank, and stays whole (named in the log, with why)
-where the split fails or its summed outputs differ from the unsplit module's: one holding more
-than these parameters (biases added per expert before the sum), or summing an identity expert
-once per rank."""
+where every split fails or its summed outputs differ from the unsplit module's (one summing an
+identity expert once per rank, one holding other parameters)."""
 from __future__ import annotations
 
 import copy
@@ -22,9 +23,13 @@ from torchpp.tensor_parallel.random import rng_restored
 from torchpp.tensor_parallel.styles import STYLES, TPContext
 
 UP_NAMES = ("gate_up_proj", "up_proj")
-# (up, down) styles per layout: [E, out, in] weights split like linears, the transposed ones mirrored.
-LAYOUT_STYLES = {("standard", True): ("packed_colwise", "rowwise"), ("standard", False): ("colwise", "rowwise"),
-                 ("transposed", True): ("packed_rowwise", "colwise"), ("transposed", False): ("rowwise", "colwise")}
+# (up, down) styles to try per layout, in order: [E, out, in] weights split like linears, the transposed
+# ones mirrored; gate and up fused as two halves first, then alternating (each rank's features whole pairs).
+LAYOUT_STYLES = {("standard", True): [("packed_colwise", "rowwise"), ("colwise", "rowwise")],
+                 ("standard", False): [("colwise", "rowwise")],
+                 ("transposed", True): [("packed_rowwise", "colwise"), ("rowwise", "colwise")],
+                 ("transposed", False): [("rowwise", "colwise")]}
+DOWN_BIAS = "down_proj_bias"
 
 
 def experts_parameters(module: nn.Module) -> Optional[Tuple[str, torch.Tensor, torch.Tensor]]:
@@ -105,20 +110,38 @@ def _first_split_that_holds(module: nn.Module, call, ctx: TPContext) -> Tuple[Op
     """({parameter: style}, "") for the first layout reading whose split over ``ctx.size``
     simulated ranks gives the unsplit output; (None, why) where none does."""
     up_name, up, down = experts_parameters(module)
-    others = sorted(n for n, _ in module.named_parameters() if n not in (up_name, "down_proj"))
-    if others:
-        return None, f"holds {', '.join(others)} besides its experts' weights"
     fits = _layouts(up_name, up, down)
     if not fits:
         return None, f"{up_name} {tuple(up.shape)} and down_proj {tuple(down.shape)} fit no experts layout"
     why = ""
     for layout in fits:
-        up_style, down_style = LAYOUT_STYLES[layout]
-        entries = {up_name: up_style, "down_proj": down_style}
-        why = _why_not(module, call, entries, ctx)
-        if why is None:
-            return entries, ""
+        for up_style, down_style in LAYOUT_STYLES[layout]:
+            entries, why = _with_biases(module, layout, {up_name: up_style, "down_proj": down_style})
+            if entries is None:
+                return None, why
+            why = _why_not(module, call, entries, ctx)
+            if why is None:
+                return entries, ""
     return None, why
+
+
+def _with_biases(module: nn.Module, layout: Tuple[str, bool], entries: Dict[str, str]) \
+        -> Tuple[Optional[Dict[str, str]], str]:
+    """``entries`` plus the per-expert biases' styles ([E, features] each: the up bias split like
+    the up weight's features, the down bias added once over the ranks); (None, why) where the
+    module holds any other parameter."""
+    (up_name, up_style), = ((n, s) for n, s in entries.items() if n != "down_proj")
+    up, down = getattr(module, up_name), module.down_proj
+    transposed = layout[0] == "transposed"
+    widths = {f"{up_name}_bias": up.shape[2] if transposed else up.shape[1],
+              DOWN_BIAS: down.shape[2] if transposed else down.shape[1]}
+    others = sorted(n for n, p in module.named_parameters() if n not in entries and
+                    not (n in widths and tuple(p.shape) == (up.shape[0], widths[n])))
+    if others:
+        return None, f"holds {', '.join(others)} besides its experts' weights and [experts, features] biases"
+    biases = {f"{up_name}_bias": "packed_colwise" if up_style.startswith("packed") else "colwise",
+              DOWN_BIAS: "partial_sum_bias"}
+    return {**entries, **{n: s for n, s in biases.items() if getattr(module, n, None) is not None}}, ""
 
 
 def _why_not(module: nn.Module, call, entries: Dict[str, str], ctx: TPContext) -> Optional[str]:
@@ -127,8 +150,7 @@ def _why_not(module: nn.Module, call, entries: Dict[str, str], ctx: TPContext) -
         expected = _run(module, {}, args, kwargs)
         total = None
         for rank in range(ctx.size):
-            shards = {name: STYLES[style].param_layout(getattr(module, name)).shard(getattr(module, name).detach(),
-                                                                                     rank, ctx.size).clone()
+            shards = {name: STYLES[style].local_value(getattr(module, name), name, rank, ctx.size).clone()
                       for name, style in entries.items()}
             output = _run(module, shards, args, kwargs)
             total = output if total is None else total + output

@@ -63,6 +63,15 @@ AMENDMENTS: Dict[str, Dict[str, str]] = {
     # Doge's per-head dynamic mask: dt_proj reads every head's values and gives one value per key/value
     # head, of which each rank keeps its own heads' (and the per-head A), not the whole (its plan: rowwise).
     "doge": {"model.layers.*.self_attn.dt_proj": "rowwise_scatter_output", "model.layers.*.self_attn.A": "colwise"},
+    # GPT-OSS: transformers' plan splits its embedding alone (5.24). Heads with their attention sinks;
+    # every expert's features, gate and up alternating (pair by pair), the down bias added once over TP.
+    "gpt_oss": {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+                "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+                "model.layers.*.self_attn.sinks": "colwise", "model.layers.*.mlp.experts": "moe_tp_experts",
+                "model.layers.*.mlp.experts.gate_up_proj": "rowwise",
+                "model.layers.*.mlp.experts.gate_up_proj_bias": "colwise",
+                "model.layers.*.mlp.experts.down_proj": "colwise",
+                "model.layers.*.mlp.experts.down_proj_bias": "partial_sum_bias"},
 }
 HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3-style norms over each projected query / key head
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from typing import Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from torchpp.tensor_parallel.sharding import PlanError, TPContext
@@ -21,6 +22,11 @@ class Style:
 
     def apply_param(self, module: nn.Module, param_name: str, name: str, ctx: TPContext) -> None:
         raise PlanError(f"torchpp plan: style {self.name!r} applies to modules, but {name} is a parameter")
+
+    def local_value(self, param: torch.Tensor, param_name: str, rank: int, size: int) -> torch.Tensor:
+        """What TP rank ``rank`` of ``size`` computes with in place of the bare parameter ``param``
+        (plan="auto"'s trials simulate the ranks with it): its shard."""
+        return self.param_layout(param, param_name).shard(param.detach(), rank, size)
 
 
 def style_with_names(stem: str, names: Sequence[str]) -> str:

@@ -16,10 +16,13 @@ f and g by hooks around the module's own forward).
 | style                          | parameters                      | forward                                  |
 |--------------------------------|---------------------------------|------------------------------------------|
 | colwise                        | rows (output features) split    | f on the input, output local             |
+|                                | (a bare bias: its last dim)     |                                          |
 | colwise_gather_output          | rows split                      | f on the input, output all-gathered      |
 | colwise_after_copy             | rows split                      | no f: its source's output had one        |
 |                                |                                 | (replicated_copy_output), output local   |
 | rowwise                        | columns split, bias replicated  | input local, g (all-reduce) on output    |
+| partial_sum_bias               | (parameter) replicated          | bias / tp added on each rank: a bias     |
+|                                |                                 | added before the g (experts' down bias)  |
 | rowwise_split_input            | columns split                   | input split, g on output                 |
 | rowwise_scatter_output         | columns split, bias split       | input local, output reduce-scattered     |
 | rowwise_copy_output            | columns split, bias replicated  | g then f on output (read by split work)  |
@@ -59,6 +62,7 @@ from torchpp.tensor_parallel.fused_qkv import fused_qkv_layouts
 from torchpp.tensor_parallel.hook_styles import (AllReduce, CopyOutput, LeadingDim, MlaKvAProj, MoeExperts,
                                                  MoeIdentityExpert, ReplicatedWithGradAllReduce, Unchanged)
 from torchpp.tensor_parallel.layouts import FusedQKV, HeadCopies, Layout, Packed, Replicated, Split
+from torchpp.tensor_parallel.partial_sum_bias import PartialSumBias
 # PlanError and TPContext are imported from here by the plan code (their home is sharding.py).
 from torchpp.tensor_parallel.sharding import (PlanError, TPContext, full_shape, shard_parameter,
                                               sum_grads_over_copies)
@@ -149,15 +153,17 @@ class Colwise(Style):
                              input_copied=self.input_copied,
                              copy_slot=layout.copy_slot(ctx.rank, ctx.size) if copied else (0, 1, True))
 
-    def param_layout(self, param: torch.Tensor) -> Layout:
-        """The layout of a bare parameter the plan names (a fused expert tensor, a per-head vector)."""
-        dim = max(param.dim() - 2, 0)
+    def param_layout(self, param: torch.Tensor, param_name: str = "") -> Layout:
+        """The layout of a bare parameter the plan names (a fused expert tensor, a per-head vector):
+        a weight's output dim (the second last), a bias's last (experts' [E, out] biases)."""
+        dim = param.dim() - 1 if param_name.endswith("bias") else max(param.dim() - 2, 0)
         if self.packed > 1:
             return Packed(dim, [param.shape[dim] // self.packed] * self.packed)
         return Split(dim, param.shape[dim])
 
     def apply_param(self, module, param_name, name, ctx):
-        shard_parameter(getattr(module, param_name), self.param_layout(getattr(module, param_name)), ctx, name)
+        param = getattr(module, param_name)
+        shard_parameter(param, self.param_layout(param, param_name), ctx, name)
 
 
 class Rowwise(Style):
@@ -198,13 +204,13 @@ class Rowwise(Style):
 
     def apply_param(self, module, param_name, name, ctx):
         param = getattr(module, param_name)
-        if param_name.endswith("bias"):  # added after the reduction: whole on every rank
-            shard_parameter(param, Replicated(), ctx, name)
-            return
-        shard_parameter(param, self.param_layout(param), ctx, name)
+        shard_parameter(param, self.param_layout(param, param_name), ctx, name)
 
-    def param_layout(self, param: torch.Tensor) -> Layout:
-        """The layout of a bare parameter the plan names (a fused expert tensor): its last dim split."""
+    def param_layout(self, param: torch.Tensor, param_name: str = "") -> Layout:
+        """The layout of a bare parameter the plan names (a fused expert tensor): its last dim
+        split; a bias whole (added after the reduction; one added before it: ``partial_sum_bias``)."""
+        if param_name.endswith("bias"):
+            return Replicated()
         if self.packed > 1:
             return Packed(param.dim() - 1, [param.shape[-1] // self.packed] * self.packed)
         return Split(param.dim() - 1, param.shape[-1])
@@ -304,6 +310,7 @@ STYLES: Dict[str, Style] = {
     "embedding_colwise": _named(Embedding(vocab_parallel=False), "embedding_colwise"),
     "replicated_with_grad_allreduce": ReplicatedWithGradAllReduce(),
     "moe_tp_experts": MoeExperts(),
+    "partial_sum_bias": PartialSumBias(),  # torchpp's: per-expert down biases under moe_tp_experts
     "moe_identity_expert": MoeIdentityExpert(),
     "mla_kv_a_proj": MlaKvAProj(),
     "replicated_copy_output": CopyOutput(),
