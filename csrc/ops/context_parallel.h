@@ -37,11 +37,12 @@ struct Shapes {
   int64_t pieces = 0, piece_len = 0;  // chunks per rank and their length
   double scale = 0.0;
   at::ScalarType acc_dtype;  // float for half/bfloat16 inputs, else the input dtype
+  int64_t window = 0;  // sliding window: query i sees keys j with i - window < j (0: every earlier key)
 };
 
 Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
-                    Layout layout, int64_t group_size, const char* op_name);
+                    Layout layout, int64_t group_size, bool causal, int64_t window, const char* op_name);
 
 // [b, hq, s, ...] -> one grouped tensor per piece, [b, hk, g * n, ...] in `dtype`.
 std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes, at::ScalarType dtype);
@@ -58,8 +59,10 @@ struct BlockMask {
 };
 
 // Mask for query positions [q_start, q_start + sq) against keys [k_start, k_start + sk) of the
-// global sequence; segment ids ([b, sq], [b, sk], may be undefined) keep packed sequences apart.
-BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal,
+// global sequence; segment ids ([b, sq], [b, sk], may be undefined) keep packed sequences apart;
+// a sliding window (> 0, causal only) hides keys window or more positions back (a block wholly
+// behind it is skipped).
+BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal, int64_t window,
                      const at::Tensor& q_segments, const at::Tensor& k_segments, c10::Device device);
 
 // How a block is computed. The fused kernels return the log-sum-exp and hold O(s) memory: the CPU

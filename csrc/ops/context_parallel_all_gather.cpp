@@ -46,10 +46,11 @@ struct Setup {
 };
 
 Setup setup(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& segment_ids,
-            c10::string_view group_name, int64_t group_size, std::optional<double> scale, c10::string_view layout_name) {
+            c10::string_view group_name, int64_t group_size, bool causal, std::optional<double> scale,
+            c10::string_view layout_name, int64_t window) {
   Setup s;
   s.layout = parse_layout(layout_name, kOp);
-  s.shapes = check_inputs(q, k, v, segment_ids, scale, s.layout, group_size, kOp);
+  s.shapes = check_inputs(q, k, v, segment_ids, scale, s.layout, group_size, causal, window, kOp);
   s.group = cp_group(q, std::string(group_name), group_size, kOp);
   s.mine = chunks_of(s.group->getRank(), group_size, s.layout);
   if (segment_ids.has_value() && segment_ids->defined()) {
@@ -71,7 +72,7 @@ struct KeyChunk {
 
 // The key chunks query piece i attends to, one block each: under causal attention those before
 // the piece (no mask) and the diagonal one (the kernels' causal mask); every chunk otherwise;
-// masked blocks where segment ids keep packed sequences apart.
+// masked blocks where segment ids keep packed sequences apart or a sliding window cuts through.
 std::vector<KeyChunk> key_chunks(const Setup& s, int64_t i, bool causal, const Gathered& g, c10::Device device) {
   const int64_t n = s.shapes.piece_len, c = g.kv.size(0), q_start = s.mine[i] * n;
   const auto q_segments = s.my_segments.defined() ? s.my_segments.narrow(1, i * n, n) : at::Tensor();
@@ -80,7 +81,7 @@ std::vector<KeyChunk> key_chunks(const Setup& s, int64_t i, bool causal, const G
     const auto held = chunks_of(r, c, s.layout);
     for (int64_t p = 0; p < s.shapes.pieces; ++p) {
       const auto k_segments = g.segments.defined() ? g.segments[r].narrow(1, p * n, n) : at::Tensor();
-      auto mask = block_mask(q_start, n, held[p] * n, n, causal, q_segments, k_segments, device);
+      auto mask = block_mask(q_start, n, held[p] * n, n, causal, s.shapes.window, q_segments, k_segments, device);
       if (!mask.skip) chunks.push_back(KeyChunk{r, p, std::move(mask)});
     }
   }
@@ -90,8 +91,8 @@ std::vector<KeyChunk> key_chunks(const Setup& s, int64_t i, bool causal, const G
 std::tuple<at::Tensor, at::Tensor> all_gather_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& segment_ids,
     c10::string_view group_name, int64_t group_size, bool causal, std::optional<double> scale,
-    c10::string_view layout_name) {
-  const Setup s = setup(q, k, v, segment_ids, group_name, group_size, scale, layout_name);
+    c10::string_view layout_name, int64_t window) {
+  const Setup s = setup(q, k, v, segment_ids, group_name, group_size, causal, scale, layout_name, window);
   const Gathered g = gather(*s.group, k, v, segment_ids);
   const int64_t n = s.shapes.piece_len;
   auto queries = split_queries(q, s.shapes, q.scalar_type());
@@ -114,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor> all_gather_attention_forward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
-    int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout_name) {
-  const Setup s = setup(q, k, v, segment_ids, group_name, group_size, scale, layout_name);
+    int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout_name, int64_t window) {
+  const Setup s = setup(q, k, v, segment_ids, group_name, group_size, causal, scale, layout_name, window);
   const Gathered g = gather(*s.group, k, v, segment_ids);
   const int64_t n = s.shapes.piece_len;
   auto queries = split_queries(q, s.shapes, q.scalar_type());

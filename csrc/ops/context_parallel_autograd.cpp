@@ -1,7 +1,8 @@
 // Autograd of ring_attention and all_gather_attention: forward calls the mode's *_forward op
-// (output and log-sum-exp) and saves q, k, v, the output and the log-sum-exp; backward calls
-// its *_backward op, which recomputes each block's probabilities. Also the calls without
-// autograd and the fake (meta) kernels.
+// (output and log-sum-exp), folds in the attention sinks if any, and saves q, k, v, the output
+// and the log-sum-exp; backward calls its *_backward op, which recomputes each block's
+// probabilities, and computes the sinks' gradient. Also the calls without autograd and the fake
+// (meta) kernels.
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -17,16 +18,20 @@ using torch::autograd::variable_list;
 
 using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                             const std::optional<at::Tensor>&, c10::string_view,
-                                                            int64_t, bool, std::optional<double>, c10::string_view);
+                                                            int64_t, bool, std::optional<double>, c10::string_view,
+                                                            int64_t);
 using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const std::optional<at::Tensor>&, c10::string_view, int64_t, bool, std::optional<double>, c10::string_view);
+    const std::optional<at::Tensor>&, c10::string_view, int64_t, bool, std::optional<double>, c10::string_view,
+    int64_t);
 
 struct Ring {
+  static constexpr const char* name = "ring_attention";
   static constexpr const char* forward = "torchpp::ring_attention_forward";
   static constexpr const char* backward = "torchpp::ring_attention_backward";
 };
 struct AllGather {
+  static constexpr const char* name = "all_gather_attention";
   static constexpr const char* forward = "torchpp::all_gather_attention_forward";
   static constexpr const char* backward = "torchpp::all_gather_attention_backward";
 };
@@ -44,20 +49,55 @@ c10::TypedOperatorHandle<BackwardSignature> backward_op() {
   return op;
 }
 
+bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+void check_sinks(const at::Tensor& q, const at::Tensor& sinks, const char* op_name) {
+  TORCH_CHECK(sinks.dim() == 1 && sinks.size(0) == q.size(1), "torchpp.", op_name,
+              ": sinks must hold one logit per query head, [", q.size(1), "], got ", sinks.sizes());
+  TORCH_CHECK(at::isFloatingType(sinks.scalar_type()) && sinks.device() == q.device(), "torchpp.", op_name,
+              ": sinks must be floating point on the query's device, got ", sinks.scalar_type(), " on ",
+              sinks.device());
+}
+
+// A sink adds exp(sink) to each softmax's denominator and nothing to its numerator: the log-sum-exp
+// becomes logaddexp(lse, sink), the output shrinks by exp(lse - lse'). The backward's blocks then
+// recompute the sinked probabilities from lse' (and rowsum(dO * O') from the sinked output).
+std::pair<at::Tensor, at::Tensor> fold_sinks(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
+  auto total = at::logaddexp(lse, sinks.to(lse.scalar_type()).view({1, -1, 1}));
+  auto kept = at::exp(lse - total).unsqueeze(-1);  // 0 on rows that saw no key (lse = -inf)
+  return {out.to(lse.scalar_type()).mul_(kept).to(out.scalar_type()), total};
+}
+
+// d loss / d sink_h = -sum over rows of head h of P(sink) * rowsum(dO * O'): the sink's column of
+// the softmax backward, whose value row is zero.
+at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                      const at::Tensor& sinks) {
+  const auto acc = lse.scalar_type();
+  auto delta = (grad_out.to(acc) * out.to(acc)).sum(-1);  // [b, hq, s]
+  auto p_sink = at::exp(sinks.to(acc).view({1, -1, 1}) - lse);
+  return (p_sink * delta).sum({0, 2}).neg_().to(sinks.scalar_type());
+}
+
 template <class Mode>
 struct Attention : public torch::autograd::Function<Attention<Mode>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
                             int64_t group_size, bool causal, std::optional<double> scale,
-                            c10::string_view layout) {
+                            c10::string_view layout, int64_t window, const std::optional<at::Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout);
-    ctx->save_for_backward({q, k, v, out, lse, segment_ids.value_or(at::Tensor())});
+    auto [out, lse] =
+        forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window);
+    if (has(sinks)) {
+      check_sinks(q, *sinks, Mode::name);
+      std::tie(out, lse) = fold_sinks(out, lse, *sinks);
+    }
+    ctx->save_for_backward({q, k, v, out, lse, segment_ids.value_or(at::Tensor()), sinks.value_or(at::Tensor())});
     ctx->saved_data["group_name"] = std::string(group_name);
     ctx->saved_data["group_size"] = group_size;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
     ctx->saved_data["layout"] = std::string(layout);
+    ctx->saved_data["window"] = window;
     return out;
   }
 
@@ -72,24 +112,34 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
     auto grad_out = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
     auto [dq, dk, dv] = backward_op<Mode>().call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4],
                                                   segment_ids, group_name, ctx->saved_data["group_size"].toInt(),
-                                                  ctx->saved_data["causal"].toBool(), scale, layout);
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                                  ctx->saved_data["causal"].toBool(), scale, layout,
+                                                  ctx->saved_data["window"].toInt());
+    auto dsinks = saved[6].defined() ? sinks_grad(grad_out, saved[3], saved[4], saved[6]) : at::Tensor();
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), dsinks};
   }
 };
 
 template <class Mode>
 at::Tensor attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
-                              int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout) {
-  return Attention<Mode>::apply(q, k, v, segment_ids, group_name, group_size, causal, scale, layout);
+                              int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout,
+                              int64_t window, const std::optional<at::Tensor>& sinks) {
+  return Attention<Mode>::apply(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, sinks);
 }
 
-// Without autograd: the forward op's output alone.
+// Without autograd: the forward op's output (sinks folded in) alone.
 template <class Mode>
 at::Tensor attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
-                             int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout) {
-  return std::get<0>(forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout));
+                             int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout,
+                             int64_t window, const std::optional<at::Tensor>& sinks) {
+  auto [out, lse] = forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window);
+  if (!has(sinks)) {
+    return out;
+  }
+  check_sinks(q, *sinks, Mode::name);
+  return fold_sinks(out, lse, *sinks).first;
 }
 
 // ---- Fake kernels: shapes from the inputs alone; never touch a group ----
@@ -100,20 +150,21 @@ at::ScalarType acc_dtype(const at::Tensor& q) {
 }
 
 at::Tensor attention_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                          c10::string_view, int64_t, bool, std::optional<double>, c10::string_view) {
+                          c10::string_view, int64_t, bool, std::optional<double>, c10::string_view, int64_t,
+                          const std::optional<at::Tensor>&) {
   return at::empty_like(q);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                                 const std::optional<at::Tensor>&, c10::string_view, int64_t, bool,
-                                                std::optional<double>, c10::string_view) {
+                                                std::optional<double>, c10::string_view, int64_t) {
   return {at::empty_like(q), at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(acc_dtype(q)))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_fake(
     const at::Tensor&, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view, int64_t, bool, std::optional<double>,
-    c10::string_view) {
+    c10::string_view, int64_t) {
   return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
 }
 

@@ -33,7 +33,7 @@ std::vector<int64_t> chunks_of(int64_t rank, int64_t world, Layout layout) {
 
 Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
-                    Layout layout, int64_t group_size, const char* op_name) {
+                    Layout layout, int64_t group_size, bool causal, int64_t window, const char* op_name) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "torchpp.", op_name,
               ": query, key and value must be [batch, heads, s_local, head_dim], got shapes ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
@@ -51,6 +51,9 @@ Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "torchpp.", op_name,
               ": query, key and value must be on one device");
   TORCH_CHECK(group_size > 0, "torchpp.", op_name, ": group_size must be positive, got ", group_size);
+  TORCH_CHECK(window >= 0, "torchpp.", op_name, ": window must be positive (0: none), got ", window);
+  TORCH_CHECK(window == 0 || causal, "torchpp.", op_name, ": a sliding window (window=", window,
+              ") applies to causal attention; got causal=False");
   Shapes shapes;
   shapes.batch = q.size(0);
   shapes.q_heads = q.size(1);
@@ -74,6 +77,7 @@ Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     TORCH_CHECK(!at::isFloatingType(seg.scalar_type()) && seg.scalar_type() != at::kBool, "torchpp.", op_name,
                 ": segment_ids must be integers, got ", seg.scalar_type());
   }
+  shapes.window = window;
   shapes.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(shapes.head_dim));
   const auto dtype = q.scalar_type();
   shapes.acc_dtype = (dtype == at::kHalf || dtype == at::kBFloat16) ? at::kFloat : dtype;
@@ -111,24 +115,30 @@ at::Tensor join_queries(const std::vector<at::Tensor>& pieces, const Shapes& sha
   return joined.reshape(shape).contiguous();
 }
 
-BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal,
+BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal, int64_t window,
                      const at::Tensor& q_segments, const at::Tensor& k_segments, c10::Device device) {
   BlockMask mask;
-  if (causal && k_start > q_start + sq - 1) {
-    mask.skip = true;  // every key lies after every query
+  const int64_t q_last = q_start + sq - 1, k_last = k_start + sk - 1;
+  if ((causal && k_start > q_last) || (window > 0 && q_start - k_last >= window)) {
+    mask.skip = true;  // every key lies after every query, or behind every query's window
     return mask;
   }
   const bool packed = q_segments.defined() && k_segments.defined();
-  const bool partly_after = causal && k_start + sk - 1 > q_start;  // some key lies after some query
-  if (partly_after && !packed && q_start == k_start && sq == sk) {
+  const bool partly_after = causal && k_last > q_start;  // some key lies after some query
+  const bool partly_behind = window > 0 && q_last - k_start >= window;  // some key behind some query's window
+  if (partly_after && !partly_behind && !packed && q_start == k_start && sq == sk) {
     mask.causal = true;  // the diagonal block: the kernels' causal mask, no tensor
     return mask;
   }
-  if (partly_after) {
+  if (partly_after || partly_behind) {
     auto opts = at::TensorOptions().dtype(at::kLong).device(device);
     auto q_pos = at::arange(q_start, q_start + sq, opts).view({sq, 1});
     auto k_pos = at::arange(k_start, k_start + sk, opts).view({1, sk});
-    mask.allowed = k_pos.le(q_pos).view({1, 1, 1, sq, sk});
+    auto allowed = k_pos.le(q_pos);
+    if (partly_behind) {
+      allowed.logical_and_(q_pos.sub(k_pos).lt(window));
+    }
+    mask.allowed = allowed.view({1, 1, 1, sq, sk});
   }
   if (packed) {
     const int64_t b = q_segments.size(0);

@@ -55,7 +55,8 @@ void for_each_block(const Ring& ring, int64_t src, Layout layout, bool causal, c
   const int64_t n = shapes.piece_len;
   for (int64_t i = 0; i < shapes.pieces; ++i) {
     for (int64_t j = 0; j < shapes.pieces; ++j) {
-      auto mask = block_mask(mine[i] * n, n, theirs[j] * n, n, causal, segment_piece(segments, ring.rank, i, shapes),
+      auto mask = block_mask(mine[i] * n, n, theirs[j] * n, n, causal, shapes.window,
+                             segment_piece(segments, ring.rank, i, shapes),
                              segment_piece(segments, src, j, shapes), device);
       if (!mask.skip) {
         fn(i, j, mask);
@@ -142,9 +143,9 @@ Ring make_ring(const at::Tensor& like, c10::string_view group_name, int64_t grou
 std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& segment_ids,
     c10::string_view group_name, int64_t group_size, bool causal, std::optional<double> scale,
-    c10::string_view layout_name) {
+    c10::string_view layout_name, int64_t window) {
   const Layout layout = parse_layout(layout_name, kOp);
-  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, kOp);
+  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, causal, window, kOp);
   Ring ring = make_ring(q, group_name, group_size);
   const at::Tensor segments = gather_segments(ring, segment_ids);
   auto queries = split_queries(q, shapes, q.scalar_type());
@@ -179,9 +180,9 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
-    int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout_name) {
+    int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout_name, int64_t window) {
   const Layout layout = parse_layout(layout_name, kOp);
-  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, kOp);
+  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, causal, window, kOp);
   Ring ring = make_ring(q, group_name, group_size);
   const at::Tensor segments = gather_segments(ring, segment_ids);
   auto queries = split_queries(q, shapes, q.scalar_type());

@@ -1,7 +1,8 @@
 """Context-parallel attention (torch.ops.torchpp.ring_attention / all_gather_attention) on spawned
 gloo ranks: each rank's output and its q, k, v gradients equal its shard of full-sequence SDPA
 (fp64, 1e-10), at cp=2 and cp=4, causal and full, both modes, both layouts, grouped-query
-attention and packed sequences; bad lengths, layouts and modes raise naming the values. Blocks run
+attention and packed sequences, sliding windows and attention sinks (against the softmax written
+out, the sinks' gradient summed over the ranks); bad lengths, layouts and modes raise naming the values. Blocks run
 on the CPU flash kernel (which returns the log-sum-exp) except where a mask it cannot take
 applies (packed sequences: matmul + softmax), and TORCHPP_CP_KERNEL=matmul forces that path."""
 import itertools
@@ -39,15 +40,36 @@ def _segments(seq_len: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _reference(q, k, v, grad, causal, segments):
+def _reference(q, k, v, grad, causal, segments, window=None, sinks=None):
+    """Full-sequence attention: SDPA, or with a window or sinks softmax written out (a sink is one
+    more logit per head in the denominator): output, then the gradients of q, k, v (and sinks)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     mask = None
     if segments is not None:
         mask = segments[:, None, :, None] == segments[:, None, None, :]
         if causal:
             mask = mask & torch.ones(q.size(2), q.size(2), dtype=torch.bool).tril()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, enable_gqa=True)
-    return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+    if window is None and sinks is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                             enable_gqa=True)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
+    s = q.size(2)
+    position = torch.arange(s)
+    allowed = position[None, :] <= position[:, None] if causal else torch.ones(s, s, dtype=torch.bool)
+    if window is not None:
+        allowed = allowed & (position[:, None] - position[None, :] < window)
+    allowed = allowed if mask is None else mask & allowed
+    groups = q.size(1) // k.size(1)
+    keys, values = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ keys.transpose(-1, -2) / q.size(-1) ** 0.5).masked_fill(~allowed, float("-inf"))
+    inputs = (q, k, v)
+    if sinks is not None:
+        sinks = sinks.clone().requires_grad_()
+        inputs += (sinks,)
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(q.size(0), -1, s, 1)], dim=-1)
+    probs = scores.softmax(-1)[..., :s]
+    out = probs @ values
+    return (out.detach(), *torch.autograd.grad(out, inputs, grad))
 
 
 # Other dtypes (tests/gpu): error relative to the largest entry. bf16 at 5e-2: its kernels round P and
@@ -55,25 +77,36 @@ def _reference(q, k, v, grad, causal, segments):
 RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.device("cpu"), dtype=torch.float64):
-    """The sharded attention on `device` in `dtype` against full-sequence SDPA in float64 (on the
-    same inputs, rounded to `dtype`)."""
+def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.device("cpu"), dtype=torch.float64,
+                window=None, sinks=False):
+    """The sharded attention on `device` in `dtype` against full-sequence attention in float64 (on
+    the same inputs, rounded to `dtype`); with `sinks`, their gradient summed over the ranks."""
     group = dist.group.WORLD
     q, k, v, grad = (t.to(dtype).double() for t in _inputs(seq_len, kv_heads))
     segments = _segments(seq_len) if packed else None
-    expected = _reference(q, k, v, grad, causal, segments)
+    sink_logits = torch.linspace(-1.0, 2.0, HEADS, dtype=dtype).double() if sinks else None
+    expected = _reference(q, k, v, grad, causal, segments, window, sink_logits)
     shard = lambda t: shard_sequence(t, group, dim=2, layout=layout)  # noqa: E731
     local = lambda t: shard(t).to(device, dtype)  # noqa: E731
     ql, kl, vl = (local(t).requires_grad_() for t in (q, k, v))
+    inputs = (ql, kl, vl)
+    local_sinks = None
+    if sinks:
+        local_sinks = sink_logits.to(device, dtype).requires_grad_()
+        inputs += (local_sinks,)
     local_segments = shard_sequence(segments, group, dim=1, layout=layout).to(device) if packed else None
-    out = attention(ql, kl, vl, group, causal=causal, mode=mode, layout=layout, segment_ids=local_segments)
-    got = (out.detach(), *torch.autograd.grad(out, (ql, kl, vl), local(grad)))
-    for name, mine, full in zip(("output", "dq", "dk", "dv"), got, expected):
+    out = attention(ql, kl, vl, group, causal=causal, mode=mode, layout=layout, segment_ids=local_segments,
+                    window=window, sinks=local_sinks)
+    got = [out.detach(), *torch.autograd.grad(out, inputs, local(grad))]
+    if sinks:  # each rank's queries' share
+        dist.all_reduce(got[4], group=group)
+    names = ("output", "dq", "dk", "dv", "dsinks")
+    for name, mine, full in zip(names, got, expected):
         tol = TOL if dtype == torch.float64 else RELATIVE_TOL[dtype] * full.abs().max().item()
         assert mine.dtype == dtype, f"{name} came back in {mine.dtype}"
-        error = (mine.cpu().double() - shard(full)).abs().max().item()
-        assert error < tol, (f"{mode} {layout} causal={causal} packed={packed} kv_heads={kv_heads} {dtype} on "
-                             f"{device}: {name} off by {error} (tolerance {tol})")
+        error = (mine.cpu().double() - (full if name == "dsinks" else shard(full))).abs().max().item()
+        assert error <= tol, (f"{mode} {layout} causal={causal} packed={packed} kv_heads={kv_heads} window={window} "
+                             f"sinks={sinks} {dtype} on {device}: {name} off by {error} (tolerance {tol})")
     if dtype == torch.float64:
         assert (unshard_sequence(out.detach(), group, dim=2, layout=layout).cpu() - expected[0]).abs().max() < TOL
 
@@ -90,6 +123,18 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
                     dtype=dtype)
     _check_case(seq_len, kv_heads=HEADS, mode="ring", layout="contiguous", causal=True, packed=True, device=device,
                 dtype=dtype)
+    # Sliding windows narrower than a chunk (cut through the diagonal blocks), about two chunks wide
+    # (blocks wholly behind them skipped), on packed rows too; attention sinks with and without them.
+    chunk = seq_len // (2 * dist.get_world_size())
+    for mode, layout, window, sinks in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"),
+                                                         (max(chunk - 1, 1), 2 * chunk + 1), (False, True)):
+        _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=True, packed=False, device=device,
+                    dtype=dtype, window=window, sinks=sinks)
+    for mode in ("ring", "all-gather"):
+        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
+                    dtype=dtype, window=chunk + 1, sinks=True)
+        _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=False, packed=False, device=device,
+                    dtype=dtype, sinks=True)
     return True
 
 
@@ -115,6 +160,14 @@ def check_errors():
         attention(q, q, q, group, mode="ulysses")
     with pytest.raises(ValueError, match="layout must be one of .* got 'striped'"):
         attention(q, q, q, group, layout="striped")
+    q4 = torch.zeros(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="window must be positive .* got 0"):
+        attention(q4, q4, q4, group, window=0)
+    with pytest.raises(RuntimeError, match=r"a sliding window \(window=3\) applies to causal attention"):
+        attention(q4, q4, q4, group, causal=False, window=3)
+    for mode in ("ring", "all-gather"):
+        with pytest.raises(RuntimeError, match=r"sinks must hold one logit per query head, \[2\], got \[3\]"):
+            attention(q4, q4, q4, group, mode=mode, sinks=torch.zeros(3))
     return True
 
 

@@ -5,7 +5,9 @@ ZeRO-3, sharded over dp x cp); both attention modes and
 layouts, packed sequences (position ids restarting) and selective recompute. Each equals the
 unwrapped model in float64: loss, logits (gathered over cp), every gradient after
 DistributedOptimizer's reduction over the dp-cp group, and one SGD step
-(torchpp.testing.model_checks.check_cp). Bad inputs raise on every rank naming the value."""
+(torchpp.testing.model_checks.check_cp). Sliding windows, attention sinks (GPT-OSS, also at cp=2
+x tp=2 and x pp=2) and Llama 4's chunked layers too. Bad inputs raise on every rank naming the
+value; what sharded attention cannot do (score caps, sparse indexed attention) raises naming it."""
 import pytest
 import torch
 
@@ -63,8 +65,10 @@ def check_errors():
         parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
     with pytest.raises(NotImplementedError, match="load-balancing loss .* not supported with cp=2"):
         parallelize(tiny_model("mixtral", output_router_logits=True), state=state)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        parallelize(tiny_model("mistral"), state=state)(input_ids=ids)
+    with pytest.raises(NotImplementedError, match=r"caps its scores \(softcap=50.0\)"):
+        parallelize(tiny_model("gemma2", attn_logit_softcapping=50.0), state=state)(input_ids=ids)
+    with pytest.raises(NotImplementedError, match="layers of type 'indexed_attention' use sparse attention"):
+        parallelize(tiny_model("deepseek_v32"), state=state)
     with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2, ep=1\)"):
         parallelize(tiny_model("llama"), cp=4, state=state)
     return True
@@ -85,6 +89,37 @@ def test_cp2_more_families_packed(ranks):
 def test_cp2_with_tp2_pp2_or_dp2(ranks, dim, model_type):
     results = ranks(4).run(check_cp_with, dim, model_type, timeout=TIMEOUT_S)
     assert len(results) == 4 and all(isinstance(r, (str, list)) for r in results), results
+
+
+def check_masks():
+    """Sliding windows (Mistral's on every layer, Gemma 3's and GPT-OSS's on some), GPT-OSS's attention
+    sinks, Llama 4's chunked layers, on packed rows too and in both modes and layouts."""
+    return {"mistral": check_cp("mistral", sliding_window=5),
+            "mistral packed all-gather": check_cp("mistral", sliding_window=5, packed=True, mode="all-gather"),
+            "gemma3 packed": check_cp("gemma3_text", sliding_window=3, packed=True),
+            "gpt_oss": check_cp("gpt_oss", sliding_window=3),
+            "gpt_oss contiguous": check_cp("gpt_oss", sliding_window=6, layout="contiguous"),
+            "llama4 chunks": check_cp("llama4_text", attention_chunk_size=4),
+            "llama4 chunks contiguous": check_cp("llama4_text", attention_chunk_size=6, layout="contiguous"),
+            "llama4 chunks packed all-gather": check_cp("llama4_text", attention_chunk_size=4, packed=True,
+                                                        mode="all-gather")}
+
+
+def test_cp2_windows_sinks_and_chunks(ranks):
+    results = ranks(2).run(check_masks, timeout=TIMEOUT_S)
+    assert all(len(r) == 8 for r in results), results
+
+
+def check_sinks_with(dim: str):
+    if dim == "tp":  # the sinks split with their heads
+        return check_cp("gpt_oss", sliding_window=3, tp=2)
+    return check_cp("gpt_oss", sliding_window=3, pp=2, schedule="zb-h1")
+
+
+@pytest.mark.parametrize("dim", ["tp", "pp"])
+def test_cp2_gpt_oss_with_tp2_or_pp2(ranks, dim):
+    results = ranks(4).run(check_sinks_with, dim, timeout=TIMEOUT_S)
+    assert all("grads on this rank" in r for r in results), results
 
 
 def test_cp_errors_name_the_values(ranks):

@@ -132,6 +132,8 @@ def attention(
     mode: str = "ring",
     layout: str = "zigzag",
     segment_ids: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Softmax attention of this rank's query shard to the whole (sharded) sequence.
 
@@ -151,6 +153,11 @@ def attention(
         layout: how the sequence was sharded: "zigzag" or "contiguous".
         segment_ids: [b, s_local] integer ids of this rank's tokens; tokens attend only to tokens
             of the same id (packed sequences). None: one sequence per row.
+        window: a sliding window (causal only): token i sees tokens j with i - window < j, as
+            transformers' sliding-window layers (Mistral, Gemma 3, GPT-OSS). Blocks wholly behind
+            every query's window are skipped. None: every earlier token.
+        sinks: [heads] attention sinks (GPT-OSS): one learned logit per head added to each
+            softmax's denominator, attending to nothing; they get their gradient.
 
     Returns:
         [b, heads, s_local, d], this rank's shard of the output.
@@ -163,4 +170,6 @@ def attention(
         op = torch.ops.torchpp.all_gather_attention
     else:
         raise ValueError(f"torchpp.context_parallel.attention: mode must be one of {MODES}, got {mode!r}")
-    return op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout)
+    if window is not None and window <= 0:
+        raise ValueError(f"torchpp.context_parallel.attention: window must be positive (None: no window), got {window}")
+    return op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout, window or 0, sinks)

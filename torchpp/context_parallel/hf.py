@@ -17,6 +17,7 @@ full-batch gradient; the loss a caller sees is the sum over cp (the batch mean).
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -129,9 +130,36 @@ def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], loca
     return result
 
 
+# id(ContextParallel) -> the position ids the latest layer was called with, for attention modules
+# their layer does not give them to (Llama 4's, GPT-BigCode's): packed rows are told apart by them.
+_LAYER_POSITIONS: Dict[int, torch.Tensor] = {}
+# Layer types whose masks transformers builds otherwise than by position and window: refused.
+UNSHARDED_MASKS = {"indexed_attention": "sparse attention (an indexer picks each query's keys)",
+                   "reference_sliding_attention": "a reference sliding-window mask"}
+
+
+def _layer_type(module: nn.Module) -> Optional[str]:
+    """The module's entry of its config's ``layer_types`` (by its ``layer_idx``), or None."""
+    types, index = getattr(getattr(module, "config", None), "layer_types", None), getattr(module, "layer_idx", None)
+    return types[index] if types is not None and isinstance(index, int) and 0 <= index < len(types) else None
+
+
+def _chunk_ids(cp: ContextParallel, segments: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+               query: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Segment ids of chunked attention (Llama 4's: query i sees keys j <= i of its chunk of
+    ``chunk`` tokens): chunks by index in the row, or, on packed rows, by position in each
+    sequence (as transformers' mask remaps them), one id per (sequence, chunk)."""
+    local_len = query.size(2)
+    if segments is None:
+        return (cp.positions(local_len * cp.size, query.device) // chunk).expand(query.size(0), -1)
+    return segments * (local_len * cp.size // chunk + 1) + position_ids.expand_as(segments) // chunk
+
+
 def _attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                sliding_window=None, softcap=None, position_ids=None, s_aux=None, **kwargs):
-    """transformers' attention-function interface over torchpp.context_parallel.attention."""
+    """transformers' attention-function interface over torchpp.context_parallel.attention: causal
+    (or not, by the module's ``is_causal``), sliding windows, attention sinks and Llama 4's chunked
+    layers; packed rows told apart by their position ids. What it cannot shard raises."""
     name = type(module).__name__
     cp: Optional[ContextParallel] = getattr(module, "torchpp_cp", None)
     if cp is None:
@@ -139,14 +167,34 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     if dropout:
         raise NotImplementedError(f"torchpp context parallelism: {name} asks for attention dropout {dropout}, which "
                                   f"sharded attention does not implement")
-    if sliding_window is not None or softcap or s_aux is not None:
-        what = "a sliding window" if sliding_window is not None else "a score cap" if softcap else "attention sinks"
-        raise NotImplementedError(f"torchpp context parallelism: {name} uses {what}, which sharded attention does not "
-                                  f"implement")
+    if softcap:
+        raise NotImplementedError(f"torchpp context parallelism: {name} caps its scores (softcap={softcap}), which "
+                                  f"sharded attention does not implement")
+    layer_type = _layer_type(module)
+    if kwargs.get("indices") is not None or layer_type in UNSHARDED_MASKS:
+        what = UNSHARDED_MASKS.get(layer_type, UNSHARDED_MASKS["indexed_attention"])
+        raise NotImplementedError(f"torchpp context parallelism: {name} (layer type {layer_type!r}) uses {what}, "
+                                  f"which sharded attention does not implement")
+    causal = getattr(module, "is_causal", True)
+    if sliding_window is not None and not (causal and isinstance(sliding_window, int)):
+        raise NotImplementedError(f"torchpp context parallelism: {name} asks for a sliding window "
+                                  f"{sliding_window!r} on {'causal' if causal else 'bidirectional'} attention; "
+                                  f"sharded attention slides a window of one int over causal attention only")
+    if position_ids is None:
+        position_ids = _LAYER_POSITIONS.get(id(cp))
     segments = _segment_ids(cp, position_ids, query.size(2))
-    out = attention(query, key, value, cp.group, causal=getattr(module, "is_causal", True), scale=scaling,
-                    mode=cp.mode, layout=cp.layout, segment_ids=segments)
+    if layer_type == "chunked_attention":
+        segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)
+    out = attention(query, key, value, cp.group, causal=causal, scale=scaling, mode=cp.mode, layout=cp.layout,
+                    segment_ids=segments, window=sliding_window, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _record_positions(cp: ContextParallel):
+    def hook(module, args, kwargs):
+        if isinstance(kwargs.get("position_ids"), torch.Tensor):
+            _LAYER_POSITIONS[id(cp)] = kwargs["position_ids"]
+    return hook
 
 
 def _recomputed_attention(module, *args, **kwargs):
@@ -169,10 +217,21 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
 
     Raises:
         ValueError: for configurations sharded attention cannot serve (attention dropout).
+        NotImplementedError: for a model whose attention does not go through transformers'
+            attention functions (Bloom's, with its ALiBi biases).
     """
+    if not getattr(type(model), "_supports_attention_backend", True):
+        raise NotImplementedError(f"torchpp.parallelize: cp={cp.size}: {type(model).__name__} computes attention in its "
+                                  f"own code, not through transformers' attention functions (its class has "
+                                  f"_supports_attention_backend=False), so sharded attention cannot replace it")
     configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
                if c is not None and hasattr(c, "_attn_implementation")}
     for config in configs.values():
+        unsharded = sorted(set(getattr(config, "layer_types", None) or ()) & set(UNSHARDED_MASKS))
+        if unsharded:
+            raise NotImplementedError(f"torchpp.parallelize: cp={cp.size}: {type(model).__name__}'s layers of type "
+                                      f"{unsharded[0]!r} use {UNSHARDED_MASKS[unsharded[0]]}, which sharded attention "
+                                      f"does not implement")
         dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
         if dropout:
             raise ValueError(f"torchpp.parallelize: cp={cp.size} needs attention_dropout=0 (the model's config has "
@@ -180,5 +239,10 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     name = _register(recompute_core)
     for config in configs.values():
         config._attn_implementation = name
+    record = _record_positions(cp)
     for module in model.modules():  # the attention function gets its module: each one knows the group
         module.torchpp_cp = cp
+        if "position_ids" in inspect.signature(module.forward).parameters and \
+                not getattr(module, "_torchpp_records_positions", False):  # (the recompute pass applies this again)
+            module.register_forward_pre_hook(record, with_kwargs=True)
+            module._torchpp_records_positions = True

@@ -307,19 +307,19 @@ def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
 def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, schedule: str = "zb-h1",
              n_microbatches: int = 2, packed: bool = False, mode: str = "ring", layout: str = "zigzag",
              seq_len: int = SEQ, recompute: Optional[str] = None, sequence_parallel: bool = False, zero: int = 0,
-             **extra) -> str:
+             plan=None, **extra) -> str:
     """cp (x tp x pp x dp) ranks, each cp group given its data-parallel replica's rows of the
     batch: the context-parallel model's loss (and, at pp=1, its logits, gathered over cp) equal
     the unwrapped model's on those rows, and after one SGD step through DistributedOptimizer
     (gradients summed over cp, averaged over dp) so do its gradients and values (the unwrapped
-    model's from the mean of the replicas' losses)."""
+    model's from the mean of the replicas' losses). ``plan``: parallelize's."""
     with precision(extra.get("dtype", torch.float64)):
         return _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode, layout, seq_len,
-                         recompute, sequence_parallel, zero, **extra)
+                         recompute, sequence_parallel, zero, plan, **extra)
 
 
 def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
-              sequence_parallel, zero, **extra) -> str:
+              sequence_parallel, zero, plan, **extra) -> str:
     from torchpp.context_parallel import unshard_sequence
     from torchpp.parallel import DistributedOptimizer
 
@@ -342,7 +342,7 @@ def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     _sgd(reference.parameters())
     wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state, cp_mode=mode,
-                          cp_layout=layout, recompute=recompute, sequence_parallel=sequence_parallel)
+                          cp_layout=layout, recompute=recompute, sequence_parallel=sequence_parallel, plan=plan)
     wrapped.loss_function = exact_causal_lm_loss
     # ZeRO-3 gathers before each module's forward: it takes the model itself.
     optimizer = DistributedOptimizer(wrapped if zero == 3 else wrapped.named_parameters(), torch.optim.SGD, state,

@@ -1,0 +1,40 @@
+"""What context parallelism used to get silently wrong, each against the unwrapped model in float64
+(torchpp.testing.model_checks.check_cp) at cp=2 on gloo:
+
+- Llama 4's chunked-attention layers (a token sees the earlier tokens of its chunk of
+  attention_chunk_size) are built by transformers' mask alone, which sharded attention does not
+  use: they attended to every earlier token (logits off by 0.65 here). The chunks are now segment ids.
+- Llama 4's and GPT-BigCode's attention modules are not given the position ids, from which packed
+  rows' sequences are told apart: their tokens attended across sequences (off by 0.64 and 0.07).
+  The position ids the layer was called with are used.
+- Bloom computes attention in its own code (ALiBi), never calling the attention function sharded
+  attention replaces: each rank attended within its own shard (off by 0.02). It is now refused."""
+import pytest
+
+import torchpp
+from torchpp.models import parallelize
+from torchpp.testing.model_checks import check_cp
+from torchpp.testing.tiny_models import tiny_model
+
+TIMEOUT_S = 300
+
+
+def _silent_before():
+    return [check_cp("llama4_text", attention_chunk_size=4), check_cp("llama4_text", packed=True),
+            check_cp("gpt_bigcode", packed=True, plan="auto")]
+
+
+def test_chunked_layers_and_packed_rows_without_position_ids(ranks):
+    for done in ranks(2).run(_silent_before, timeout=TIMEOUT_S):
+        assert all("grads on this rank" in d for d in done), done
+
+
+def _own_attention_code():
+    state = torchpp.init_parallel(cp=2)
+    with pytest.raises(NotImplementedError, match="BloomForCausalLM computes attention in its own code"):
+        parallelize(tiny_model("bloom"), state=state, plan="auto")
+    return "refused"
+
+
+def test_a_model_computing_attention_itself_is_refused(ranks):
+    assert ranks(2).run(_own_attention_code, timeout=TIMEOUT_S) == ["refused"] * 2
