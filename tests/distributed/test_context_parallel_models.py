@@ -69,6 +69,8 @@ def check_errors():
         parallelize(tiny_model("gemma2", attn_logit_softcapping=50.0), state=state)(input_ids=ids)
     with pytest.raises(NotImplementedError, match="layers of type 'indexed_attention' use sparse attention"):
         parallelize(tiny_model("deepseek_v32"), state=state)
+    with pytest.raises(NotImplementedError, match="'compressed_sparse_attention' use compressed key/value entries"):
+        parallelize(tiny_model("deepseek_v4"), state=state)
     with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2, ep=1\)"):
         parallelize(tiny_model("llama"), cp=4, state=state)
     return True

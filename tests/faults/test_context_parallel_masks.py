@@ -8,7 +8,17 @@
   rows' sequences are told apart: their tokens attended across sequences (off by 0.64 and 0.07).
   The position ids the layer was called with are used.
 - Bloom computes attention in its own code (ALiBi), never calling the attention function sharded
-  attention replaces: each rank attended within its own shard (off by 0.02). It is now refused."""
+  attention replaces: each rank attended within its own shard (off by 0.02). It is now refused.
+- Layers that mix the sequence without attention (MiniMax's linear attention, LFM2's short
+  convolutions, RecurrentGemma's recurrence) ran on each rank's shard alone (off by 0.06, 0.0008,
+  0.16): a layer of the stack that makes no attention call now raises at its first forward, naming
+  it, and a convolution over the sequence inside a layer is refused when the model is wrapped.
+- RoBERTa-style embeddings count positions from padding_idx + 1, derived from the tokens; the
+  global positions sharding gives them were 2 off (camembert, roberta, xlm-roberta, xmod: off by
+  0.4-0.6). They are now refused.
+- Zaya's attention convolves its queries and keys over the sequence before attending: the
+  convolution read zeros across each shard's edge (off by 0.04). A convolution over the sequence
+  inside a layer is now refused."""
 import pytest
 
 import torchpp
@@ -31,10 +41,28 @@ def test_chunked_layers_and_packed_rows_without_position_ids(ranks):
 
 def _own_attention_code():
     state = torchpp.init_parallel(cp=2)
-    with pytest.raises(NotImplementedError, match="BloomForCausalLM computes attention in its own code"):
+    with pytest.raises(NotImplementedError, match="BloomForCausalLM does not run its attention through transformers' attention functions"):
         parallelize(tiny_model("bloom"), state=state, plan="auto")
     return "refused"
 
 
 def test_a_model_computing_attention_itself_is_refused(ranks):
     assert ranks(2).run(_own_attention_code, timeout=TIMEOUT_S) == ["refused"] * 2
+
+
+def _layers_without_attention():
+    with pytest.raises(NotImplementedError, match=r"layer model\.layers\.1 \(MiniMaxDecoderLayer\) ran without calling "
+                                                  r"attention"):
+        check_cp("minimax")
+    for model_type, conv in (("lfm2_moe", "conv.conv"), ("recurrent_gemma", "temporal_block.conv_1d")):
+        with pytest.raises(NotImplementedError, match=rf"model\.layers\.0\.{conv} convolves over the sequence"):
+            check_cp(model_type, plan="auto")
+    with pytest.raises(NotImplementedError, match=r"position_embeddings counts positions from padding_idx \+ 1 = 2"):
+        check_cp("roberta", plan="auto")
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.[\w.]+ convolves over the sequence"):
+        check_cp("zaya", plan="auto")
+    return "refused"
+
+
+def test_layers_mixing_the_sequence_otherwise_and_token_derived_positions_are_refused(ranks):
+    assert ranks(2).run(_layers_without_attention, timeout=TIMEOUT_S) == ["refused"] * 2

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
@@ -28,6 +28,7 @@ from torch import nn
 
 from torchpp import recompute
 from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
+from torchpp.context_parallel.hf_support import AttentionCalls, attention_configs, check_call, check_model, layer_type
 
 IGNORE_INDEX = -100
 ATTENTION_NAME = "torchpp_cp"
@@ -40,6 +41,7 @@ class ContextParallel:
     group: dist.ProcessGroup
     mode: str = "ring"
     layout: str = "zigzag"
+    calls: AttentionCalls = field(default_factory=AttentionCalls, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -133,17 +135,6 @@ def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], loca
 # id(ContextParallel) -> the position ids the latest layer was called with, for attention modules
 # their layer does not give them to (Llama 4's, GPT-BigCode's): packed rows are told apart by them.
 _LAYER_POSITIONS: Dict[int, torch.Tensor] = {}
-# Layer types whose masks transformers builds otherwise than by position and window: refused.
-UNSHARDED_MASKS = {"indexed_attention": "sparse attention (an indexer picks each query's keys)",
-                   "reference_sliding_attention": "a reference sliding-window mask"}
-
-
-def _layer_type(module: nn.Module) -> Optional[str]:
-    """The module's entry of its config's ``layer_types`` (by its ``layer_idx``), or None."""
-    types, index = getattr(getattr(module, "config", None), "layer_types", None), getattr(module, "layer_idx", None)
-    return types[index] if types is not None and isinstance(index, int) and 0 <= index < len(types) else None
-
-
 def _chunk_ids(cp: ContextParallel, segments: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                query: torch.Tensor, chunk: int) -> torch.Tensor:
     """Segment ids of chunked attention (Llama 4's: query i sees keys j <= i of its chunk of
@@ -160,30 +151,17 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     """transformers' attention-function interface over torchpp.context_parallel.attention: causal
     (or not, by the module's ``is_causal``), sliding windows, attention sinks and Llama 4's chunked
     layers; packed rows told apart by their position ids. What it cannot shard raises."""
-    name = type(module).__name__
     cp: Optional[ContextParallel] = getattr(module, "torchpp_cp", None)
     if cp is None:
-        raise RuntimeError(f"torchpp context parallelism: {name} was not wrapped by parallelize(..., cp=)")
-    if dropout:
-        raise NotImplementedError(f"torchpp context parallelism: {name} asks for attention dropout {dropout}, which "
-                                  f"sharded attention does not implement")
-    if softcap:
-        raise NotImplementedError(f"torchpp context parallelism: {name} caps its scores (softcap={softcap}), which "
-                                  f"sharded attention does not implement")
-    layer_type = _layer_type(module)
-    if kwargs.get("indices") is not None or layer_type in UNSHARDED_MASKS:
-        what = UNSHARDED_MASKS.get(layer_type, UNSHARDED_MASKS["indexed_attention"])
-        raise NotImplementedError(f"torchpp context parallelism: {name} (layer type {layer_type!r}) uses {what}, "
-                                  f"which sharded attention does not implement")
+        raise RuntimeError(f"torchpp context parallelism: {type(module).__name__} was not wrapped by "
+                           f"parallelize(..., cp=)")
     causal = getattr(module, "is_causal", True)
-    if sliding_window is not None and not (causal and isinstance(sliding_window, int)):
-        raise NotImplementedError(f"torchpp context parallelism: {name} asks for a sliding window "
-                                  f"{sliding_window!r} on {'causal' if causal else 'bidirectional'} attention; "
-                                  f"sharded attention slides a window of one int over causal attention only")
+    check_call(module, query, key, attention_mask, dropout, softcap, sliding_window, causal, kwargs)
+    cp.calls.count += 1
     if position_ids is None:
         position_ids = _LAYER_POSITIONS.get(id(cp))
     segments = _segment_ids(cp, position_ids, query.size(2))
-    if layer_type == "chunked_attention":
+    if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)
     out = attention(query, key, value, cp.group, causal=causal, scale=scaling, mode=cp.mode, layout=cp.layout,
                     segment_ids=segments, window=sliding_window, sinks=s_aux)
@@ -212,33 +190,21 @@ def _register(recompute_core: bool) -> str:
     return name
 
 
-def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core: bool) -> None:
-    """Routes every attention call of a transformers ``model`` through sharded attention over ``cp``.
+def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core: bool,
+                           layers: Optional[str] = None) -> None:
+    """Routes every attention call of a transformers ``model`` through sharded attention over ``cp``;
+    each layer of the stack at path ``layers`` must then call it (``hf_support.AttentionCalls``).
 
     Raises:
         ValueError: for configurations sharded attention cannot serve (attention dropout).
-        NotImplementedError: for a model whose attention does not go through transformers'
-            attention functions (Bloom's, with its ALiBi biases).
+        NotImplementedError: for what sharded attention cannot serve (``hf_support.check_model``).
     """
-    if not getattr(type(model), "_supports_attention_backend", True):
-        raise NotImplementedError(f"torchpp.parallelize: cp={cp.size}: {type(model).__name__} computes attention in its "
-                                  f"own code, not through transformers' attention functions (its class has "
-                                  f"_supports_attention_backend=False), so sharded attention cannot replace it")
-    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
-               if c is not None and hasattr(c, "_attn_implementation")}
-    for config in configs.values():
-        unsharded = sorted(set(getattr(config, "layer_types", None) or ()) & set(UNSHARDED_MASKS))
-        if unsharded:
-            raise NotImplementedError(f"torchpp.parallelize: cp={cp.size}: {type(model).__name__}'s layers of type "
-                                      f"{unsharded[0]!r} use {UNSHARDED_MASKS[unsharded[0]]}, which sharded attention "
-                                      f"does not implement")
-        dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-        if dropout:
-            raise ValueError(f"torchpp.parallelize: cp={cp.size} needs attention_dropout=0 (the model's config has "
-                             f"{dropout}): sharded attention has no dropout")
+    check_model(model, cp.size, layers)
     name = _register(recompute_core)
-    for config in configs.values():
+    for config in attention_configs(model).values():
         config._attn_implementation = name
+    if layers is not None:
+        cp.calls.watch(model.get_submodule(layers), layers)
     record = _record_positions(cp)
     for module in model.modules():  # the attention function gets its module: each one knows the group
         module.torchpp_cp = cp

@@ -23,5 +23,6 @@ def apply_cp(model: nn.Module, state: WrapState, options: ContextOptions) -> nn.
     from torchpp.context_parallel.hf import ContextParallel, apply_context_parallel
 
     state.context = ContextParallel(ps.cp_group, options.mode, options.layout)
-    apply_context_parallel(model, state.context, recompute_core=False)
+    apply_context_parallel(model, state.context, recompute_core=False,
+                           layers=state.layout.layers if state.layout is not None else None)
     return model

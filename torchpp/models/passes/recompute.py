@@ -24,7 +24,8 @@ def apply_recompute(model: nn.Module, state: WrapState, mode: Optional[str]) -> 
         if state.context is not None:
             from torchpp.context_parallel.hf import apply_context_parallel
 
-            apply_context_parallel(model, state.context, recompute_core=True)
+            apply_context_parallel(model, state.context, recompute_core=True,
+                                   layers=state.layout.layers if state.layout is not None else None)
         else:
             from torchpp.models.attention import wrap_attention
 

@@ -1,0 +1,113 @@
+"""What sharded attention can serve in a transformers model, and the refusals of what it cannot,
+each naming the module and the reason: at wrap time (``check_model``), at each attention call
+(``check_call``), and after each layer (``layers_attend``: a layer that mixes the sequence
+without calling attention, a Mamba, convolution or recurrent layer, would run on its shard alone).
+Under cp transformers builds no mask, so anything a model expresses only through its mask or its
+own attention code would otherwise be silently lost."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from torch import nn
+
+# Layer types whose masks transformers builds otherwise than by position and window.
+COMPRESSED = "compressed key/value entries with a mask of their own (DeepSeek-V4's compressor)"
+UNSHARDED_MASKS = {"indexed_attention": "sparse attention (an indexer picks each query's keys)",
+                   "reference_sliding_attention": "a reference sliding-window mask",
+                   "compressed_sparse_attention": COMPRESSED, "heavily_compressed_attention": COMPRESSED}
+PREFIX = "torchpp context parallelism"
+
+
+def layer_type(module: nn.Module) -> Optional[str]:
+    """The module's entry of its config's ``layer_types`` (by its ``layer_idx``), or None."""
+    types, index = getattr(getattr(module, "config", None), "layer_types", None), getattr(module, "layer_idx", None)
+    return types[index] if types is not None and isinstance(index, int) and 0 <= index < len(types) else None
+
+
+def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> None:
+    """Refuses, before anything is changed, a model sharded attention cannot serve (``layers``:
+    the path of its stack of layers, where a convolution over the sequence is refused)."""
+    where = f"torchpp.parallelize: cp={size}: {type(model).__name__}"
+    if not getattr(type(model), "_supports_attention_backend", True):
+        raise NotImplementedError(f"{where} does not run its attention through transformers' attention functions "
+                                  f"(_supports_attention_backend=False: attention in its own code, such as Bloom's "
+                                  f"ALiBi, or Mamba / linear-attention layers), so sharded attention cannot replace it")
+    for config in attention_configs(model).values():
+        unsharded = sorted(set(getattr(config, "layer_types", None) or ()) & set(UNSHARDED_MASKS))
+        if unsharded:
+            raise NotImplementedError(f"{where}'s layers of type {unsharded[0]!r} use {UNSHARDED_MASKS[unsharded[0]]}, "
+                                      f"which sharded attention does not implement")
+        dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        if dropout:
+            raise ValueError(f"torchpp.parallelize: cp={size} needs attention_dropout=0 (the model's config has "
+                             f"{dropout}): sharded attention has no dropout")
+    for name, module in model.named_modules():
+        if layers is not None and name.startswith(f"{layers}.") and isinstance(module, nn.Conv1d) \
+                and module.kernel_size[0] > 1:
+            raise NotImplementedError(f"{where}: {name} convolves over the sequence (kernel {module.kernel_size[0]}), "
+                                      f"which reads across the edges of a shard of the sequence")
+        if name.rpartition(".")[2] == "position_embeddings" and getattr(module, "padding_idx", None) is not None:
+            raise NotImplementedError(f"{where}: {name} counts positions from padding_idx + 1 = "
+                                      f"{module.padding_idx + 1}, derived from the tokens (RoBERTa's convention), "
+                                      f"which a shard of the sequence cannot derive")
+
+
+def attention_configs(model: nn.Module) -> Dict[int, object]:
+    return {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
+            if c is not None and hasattr(c, "_attn_implementation")}
+
+
+def check_call(module: nn.Module, query, key, attention_mask, dropout, softcap, sliding_window, causal: bool,
+               kwargs) -> None:
+    """Refuses an attention call asking for what sharded attention does not implement."""
+    name = type(module).__name__
+    if key.size(2) != query.size(2):
+        raise NotImplementedError(f"{PREFIX}: {name} attends {query.size(2)} queries of this rank's shard to "
+                                  f"{key.size(2)} keys: it adds key/value entries of its own, which sharded attention "
+                                  f"cannot place in the sequence")
+    if dropout:
+        raise NotImplementedError(f"{PREFIX}: {name} asks for attention dropout {dropout}, which sharded attention "
+                                  f"does not implement")
+    if softcap:
+        raise NotImplementedError(f"{PREFIX}: {name} caps its scores (softcap={softcap}), which sharded attention "
+                                  f"does not implement")
+    if attention_mask is not None:  # transformers builds none under cp: the model made its own
+        raise NotImplementedError(f"{PREFIX}: {name} is given an attention mask it built itself "
+                                  f"({type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}), "
+                                  f"which sharded attention cannot apply to a shard of the sequence")
+    kind = layer_type(module)
+    if kwargs.get("indices") is not None or kind in UNSHARDED_MASKS:
+        what = UNSHARDED_MASKS.get(kind, UNSHARDED_MASKS["indexed_attention"])
+        raise NotImplementedError(f"{PREFIX}: {name} (layer type {kind!r}) uses {what}, which sharded attention "
+                                  f"does not implement")
+    if sliding_window is not None and not (causal and isinstance(sliding_window, int)):
+        raise NotImplementedError(f"{PREFIX}: {name} asks for a sliding window {sliding_window!r} on "
+                                  f"{'causal' if causal else 'bidirectional'} attention; sharded attention slides a "
+                                  f"window of one int over causal attention only")
+
+
+class AttentionCalls:
+    """Counts a model's sharded attention calls, so that each layer of its stack can be checked to
+    have made one."""
+
+    def __init__(self):
+        self.count = 0
+
+    def watch(self, layers: nn.ModuleList, path: str) -> None:
+        for index, layer in enumerate(layers):
+            # (Another pipeline rank's layers are placeholders here; the recompute pass applies cp again.)
+            if not getattr(layer, "placeholder", False) and not getattr(layer, "_torchpp_cp_watched", False):
+                layer.register_forward_pre_hook(self._before)
+                layer.register_forward_hook(self._after(f"{path}.{index}"))
+                layer._torchpp_cp_watched = True
+
+    def _before(self, layer, args):
+        layer._torchpp_cp_calls_before = self.count
+
+    def _after(self, where: str):
+        def hook(layer, args, output):
+            if self.count == getattr(layer, "_torchpp_cp_calls_before", self.count - 1):
+                raise NotImplementedError(f"{PREFIX}: layer {where} ({type(layer).__name__}) ran without calling "
+                                          f"attention: it mixes the sequence in its own code (a Mamba, convolution "
+                                          f"or recurrent layer), which cannot run on a shard of the sequence")
+        return hook
