@@ -1,5 +1,5 @@
 """Model sweep: every transformers model type whose config carries a tensor- and a pipeline-
-parallel plan, wrapped by torchpp.models.parallelize at tp=2 and at pp=2, against the
+parallel plan, wrapped by torchpp.models.parallelize at tp=2, at pp=2 and at cp=2, against the
 unwrapped model in float64 (loss, logits, every gradient, one SGD step; rtol 1e-9); and every
 causal-LM type without plans, wrapped with plan="auto".
 
@@ -27,6 +27,8 @@ TIMEOUT_S = 120
 # Fresh ranks after this many types: each check's groups are destroyed after it (_run), but a
 # model type can leave other state in a rank (patched classes, import side effects).
 TYPES_PER_POOL = 8
+# How a cp=2 check's error starts where torchpp refused what a shard of the sequence cannot run.
+REFUSALS = ("NotImplementedError: torchpp", "ValueError: torchpp.parallelize", "torchpp.tensor_parallel.sharding.PlanError")
 
 
 def _run(check: str, model_type: str, plan=None) -> str:
@@ -69,10 +71,12 @@ def sweep(types, pool_of, plan=None, rows_path=None):
         row = {"type": model_type, "table": "auto" if plan == "auto" else "plans"}
         if model_type in UNBUILDABLE:
             row["tp"] = row["pp"] = f"not built: {UNBUILDABLE[model_type]}"
+            row["cp"] = "-"
             print(f"{model_type:40s} skipped: {UNBUILDABLE[model_type]}", flush=True)
         else:
             _check(row, model_type, pool_of, plan)
-            print(f"{model_type:40s} tp=2 {row['tp'][:90]:90s} pp=2 {row['pp'][:90]} {_split_cell(row)}", flush=True)
+            print(f"{model_type:40s} tp=2 {row['tp'][:60]:60s} pp=2 {row['pp'][:60]:60s} cp=2 {row.get('cp', '')[:60]} "
+                  f"{_split_cell(row)}", flush=True)
         rows.append(row)
         if rows_path:
             with open(rows_path, "a") as f:
@@ -84,9 +88,12 @@ def _check(row, model_type: str, pool_of, plan) -> None:
     """Fills the row's tp and pp results (and seconds) for one type."""
     from torchpp.testing.tiny_models import NOT_PIPELINED
 
-    for key, check in (("tp", "check_tp"), ("pp", "check_pp")):
+    for key, check in (("tp", "check_tp"), ("pp", "check_pp"), ("cp", "check_cp")):
         if key == "pp" and model_type in NOT_PIPELINED:
             row["pp"] = f"not pipelined: {NOT_PIPELINED[model_type]}"
+            continue
+        if key == "cp" and row["tp"].startswith(("not built", "FAIL")):
+            row["cp"] = "-"  # what tp=2 could not build or run, cp=2 does not either
             continue
         start = time.monotonic()
         try:
@@ -95,16 +102,21 @@ def _check(row, model_type: str, pool_of, plan) -> None:
             row[key + "_detail"] = result[-1]
         except AssertionError as error:
             text = str(error)
-            row[key] = "FAIL: " + _first_line(text.split("\n", 1)[-1] if "\n" in text.strip() else text)
+            line = _first_line(text.split("\n", 1)[-1] if "\n" in text.strip() else text)
+            refused = key == "cp" and line.startswith(REFUSALS)
+            not_checked = line.startswith("NotImplementedError: check_cp")
+            row[key] = ("refused: " + line.split(": ", 1)[1] if refused else
+                        "not checked: " + line.split(": ", 1)[1] if not_checked else "FAIL: " + line)
         row[key + "_s"] = time.monotonic() - start
 
 
 def _table(rows, split_column: bool = False) -> list:
     """The rows as a table; ``split_column``: how many linears of each layer kind tp=2 split (plan="auto")."""
-    lines = ["| model type | tp=2 | pp=2 (zb-h1) |" + (" linears split per layer (tp=2) |" if split_column else ""),
-             "|---|---|---|" + ("---|" if split_column else "")]
+    lines = ["| model type | tp=2 | pp=2 (zb-h1) | cp=2 |" +
+             (" linears split per layer (tp=2) |" if split_column else ""),
+             "|---|---|---|---|" + ("---|" if split_column else "")]
     for row in sorted(rows, key=lambda r: r["type"]):
-        cells = [row["tp"], row["pp"]] + ([_split_cell(row)] if split_column else [])
+        cells = [row["tp"], row["pp"], row.get("cp", "")] + ([_split_cell(row)] if split_column else [])
         lines.append(f"| {row['type']} | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
 
@@ -126,7 +138,18 @@ def _excepted(row) -> bool:
 
 
 def _minutes(rows) -> float:
-    return sum(row.get("tp_s", 0) + row.get("pp_s", 0) for row in rows) / 60
+    return sum(row.get("tp_s", 0) + row.get("pp_s", 0) + row.get("cp_s", 0) for row in rows) / 60
+
+
+def _cp_summary(rows) -> str:
+    """How the cp=2 column came out: passing, refused with the reason, the rest."""
+    cells = [row.get("cp", "") for row in rows]
+    passing, refused = sum(c == "pass" for c in cells), sum(c.startswith("refused") for c in cells)
+    failing = sum(c.startswith("FAIL") for c in cells)
+    return (f"At cp=2 (`torchpp.testing.model_checks.check_cp`: the sequence split over 2 ranks, zigzag, ring; the "
+            f"same comparisons, logits gathered): **{passing} pass**, {refused} are refused with the reason (what a "
+            f"shard of the sequence cannot run: `torchpp.context_parallel.hf_support`), {failing or 'none'} "
+            f"fail{'s' if failing == 1 else ''}; the rest are not checked (no loss to compare) or not built.")
 
 
 def _exception_lines(rows) -> list:
@@ -162,14 +185,17 @@ def write_table(rows, path: str) -> None:
         "`bench/model_sweep.py` builds a tiny random model of each transformers model type whose config carries both",
         "`base_model_tp_plan` and `base_model_pp_plan` (`torchpp.testing.tiny_models`: 4 layers of each kind the type",
         "has, 4 heads, vocabulary 97, float64), wraps it with `torchpp.models.parallelize` at tp=2 (the model called",
-        "as before: loss, full logits) and at pp=2 (zb-h1, 4 microbatches, `model.step`), and compares loss, logits,",
-        "every gradient and one SGD step with the unwrapped model (rtol 1e-9). A failure shows its error.",
+        "as before: loss, full logits), at pp=2 (zb-h1, 4 microbatches, `model.step`) and at cp=2 (the sequence split",
+        "over 2 ranks), and compares loss, logits, every gradient and one SGD step with the unwrapped model (rtol 1e-9).",
+        "A failure shows its error; a cp=2 refusal its reason.",
         "",
         f"transformers {transformers.__version__}, torch {torch.__version__}: **{_passing(plans)} of {len(plans)} types "
         f"pass both**; {len(failing) or 'none'} fail{'s' if len(failing) < 2 else ''}; {len(exceptions)} are exceptions, each because its forward takes no token",
         "ids or transformers itself cannot run (or pipeline) it:",
         "",
         *_exception_lines(exceptions),
+        "",
+        _cp_summary(plans),
         "",
         f"Sweep time {_minutes(plans):.1f} min for this table (summed check times, 2 spawned gloo ranks) on this shared",
         "2-core machine.",
@@ -221,7 +247,7 @@ def write_table(rows, path: str) -> None:
             "",
             f"**{_passing(auto)} of {len(auto)} types pass both**; sweep time {_minutes(auto):.1f} min (summed check "
             "times). Each failure shows its error as it is: where nothing can be split (PlanError naming why), a "
-            "tiny model transformers itself cannot build or run, or a wrapping bug not yet fixed.",
+            "tiny model transformers itself cannot build or run, or a wrapping bug not yet fixed. " + _cp_summary(auto),
             *_not_run_lines([r["type"] for r in auto], auto_types()),
             "",
             "    python bench/model_sweep.py --auto",

@@ -135,6 +135,15 @@ def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], loca
 # id(ContextParallel) -> the position ids the latest layer was called with, for attention modules
 # their layer does not give them to (Llama 4's, GPT-BigCode's): packed rows are told apart by them.
 _LAYER_POSITIONS: Dict[int, torch.Tensor] = {}
+
+
+def _record_positions(cp: ContextParallel):
+    def hook(module, args, kwargs):
+        if isinstance(kwargs.get("position_ids"), torch.Tensor):
+            _LAYER_POSITIONS[id(cp)] = kwargs["position_ids"]
+    return hook
+
+
 def _chunk_ids(cp: ContextParallel, segments: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                query: torch.Tensor, chunk: int) -> torch.Tensor:
     """Segment ids of chunked attention (Llama 4's: query i sees keys j <= i of its chunk of
@@ -166,13 +175,6 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     out = attention(query, key, value, cp.group, causal=causal, scale=scaling, mode=cp.mode, layout=cp.layout,
                     segment_ids=segments, window=sliding_window, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _record_positions(cp: ContextParallel):
-    def hook(module, args, kwargs):
-        if isinstance(kwargs.get("position_ids"), torch.Tensor):
-            _LAYER_POSITIONS[id(cp)] = kwargs["position_ids"]
-    return hook
 
 
 def _recomputed_attention(module, *args, **kwargs):

@@ -334,6 +334,9 @@ def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode
     replicas = [slice(d * ids.size(0) // dp, (d + 1) * ids.size(0) // dp) for d in range(dp)]
     outs = [reference(input_ids=ids[rows], labels=labels[rows], use_cache=False,
                       position_ids=None if positions is None else positions[rows]) for rows in replicas]
+    if getattr(outs[0], "loss", None) is None:
+        raise NotImplementedError(f"check_cp compares causal LMs' losses: {model_type}'s forward returns no loss "
+                                  f"({type(outs[0]).__name__})")
     (sum(out.loss for out in outs) / dp).backward()
     mine = replicas[state.dp_rank]
     ids, labels = ids[mine], labels[mine]
