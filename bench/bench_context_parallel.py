@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 bench/bench_context_parallel.py --part memory
     torchrun --standalone --nproc-per-node 2 bench/bench_context_parallel.py --part time
     torchrun --standalone --nproc-per-node 4 bench/bench_context_parallel.py --part peak
+    torchrun --standalone --nproc-per-node 2 bench/bench_context_parallel.py --part window
 
 memory  bytes autograd keeps for backward per rank (torchpp.plan.SavedActivationMeter: CPU has no
         allocator statistics) for sequence lengths 1k-4k at cp = 1, 2, 4 (cp=1: the unwrapped
@@ -18,6 +19,10 @@ peak    the attention op alone (torchpp.context_parallel.attention), one forward
         largest rank), ring vs all-gather, against SDPA on the whole sequence in one process
         (the peer), in MB and in units of one rank's key/value shard; from torch.profiler's
         memory timeline (CPU allocations: every tensor the ops make, transfer buffers included).
+window  the attention op alone with a sliding window (--window) at cp = world, ring: time and peak
+        bytes beyond the inputs, against causal attention without a window on the same shards
+        and against SDPA with the sliding mask on the whole sequence in one process (the peer:
+        transformers' SDPA path with a window).
 Repeats are interleaved so machine noise hits every variant alike; median and spread are printed.
 """
 import argparse
@@ -165,6 +170,42 @@ def peak_part(args, world: int) -> None:
             print(f"{cp:>3} {mode:>11} {peak / 1e6:9.2f} {peak / kv_shard:12.2f}")
 
 
+def window_part(args, world: int) -> None:
+    rank, group = dist.get_rank(), dist.group.WORLD
+    head_dim, seq, w = args.hidden // args.heads, args.long_seq, args.window
+    g = torch.Generator().manual_seed(rank)
+    local = [torch.randn(1, args.heads, seq // world, head_dim, generator=g, requires_grad=True) for _ in range(3)]
+    whole = [torch.randn(1, args.heads, seq, head_dim, generator=g, requires_grad=True) for _ in range(3)]
+    grads = {"local": torch.randn(local[0].shape, generator=g), "whole": torch.randn(whole[0].shape, generator=g)}
+    position = torch.arange(seq)
+    sliding = (position[None, :] <= position[:, None]) & (position[:, None] - position[None, :] < w)
+
+    def run(name):
+        if name == "sdpa window":
+            torch.nn.functional.scaled_dot_product_attention(*whole, attn_mask=sliding).backward(grads["whole"])
+        else:
+            context_parallel.attention(*local, group, window=w if name == "ring window" else None).backward(
+                grads["local"])
+
+    variants = ("ring window", "ring causal", "sdpa window")
+    samples = interleaved(run, variants, args.repeats, warmup=1)
+    peaks = {}
+    for name in variants:
+        run(name)  # warm-up: lazily made state is not counted
+        dist.barrier()
+        peaks[name] = max(all_gather_objects(peak_beyond_inputs(lambda: run(name))))
+    if rank == 0:
+        print(f"attention alone, forward + backward, seq {seq}, window {w}, {args.heads} heads of {head_dim}, fp32, "
+              f"cp={world} ring, {args.repeats} repeats (median, spread); peak MB beyond the inputs (largest rank)")
+        for name in variants:
+            median, spread = median_spread(samples[name])
+            where = "1 process, whole sequence" if name.startswith("sdpa") else f"cp={world}"
+            print(f"  {name:12s} {median * 1e3:9.1f} ms  spread {spread:.2f}  peak {peaks[name] / 1e6:8.2f} MB  ({where})")
+        med = {name: median_spread(samples[name])[0] for name in variants}
+        print(f"  ring window / ring causal: {med['ring window'] / med['ring causal']:.3f}   "
+              f"ring window / sdpa window: {med['ring window'] / med['sdpa window']:.3f}")
+
+
 def exchange_seconds(kv: torch.Tensor, repeats: int) -> float:
     """The ring's step alone: send a key/value shard to the next rank, receive the previous one's."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -216,13 +257,14 @@ def hidden_share(args, model, ids, labels, world: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("memory", "time", "peak"), required=True)
+    parser.add_argument("--part", choices=("memory", "time", "peak", "window"), required=True)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--long-seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--window", type=int, default=256)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -231,6 +273,8 @@ def main():
         memory_part(args, world)
     elif args.part == "peak":
         peak_part(args, world)
+    elif args.part == "window":
+        window_part(args, world)
     else:
         time_part(args, world)
     dist.destroy_process_group()

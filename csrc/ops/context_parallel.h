@@ -56,6 +56,11 @@ struct BlockMask {
   bool skip = false;
   bool causal = false;
   at::Tensor allowed;
+  // A sliding window cutting through the block (allowed then undefined): computed as a band of
+  // query tiles window long, each against the keys its window reaches, so no [sq, sk] scores.
+  int64_t window = 0;
+  int64_t q_start = 0, k_start = 0;
+  at::Tensor q_segments, k_segments;  // [b, sq], [b, sk] of packed rows, or undefined
 };
 
 // Mask for query positions [q_start, q_start + sq) against keys [k_start, k_start + sk) of the

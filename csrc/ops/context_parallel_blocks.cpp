@@ -3,8 +3,10 @@
 // the ring's paired send/receive.
 #include "ops/context_parallel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -130,15 +132,19 @@ BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, b
     mask.causal = true;  // the diagonal block: the kernels' causal mask, no tensor
     return mask;
   }
-  if (partly_after || partly_behind) {
+  if (partly_behind) {  // the band: tiles build their own masks
+    mask.window = window;
+    mask.q_start = q_start;
+    mask.k_start = k_start;
+    mask.q_segments = packed ? q_segments : at::Tensor();
+    mask.k_segments = packed ? k_segments : at::Tensor();
+    return mask;
+  }
+  if (partly_after) {
     auto opts = at::TensorOptions().dtype(at::kLong).device(device);
     auto q_pos = at::arange(q_start, q_start + sq, opts).view({sq, 1});
     auto k_pos = at::arange(k_start, k_start + sk, opts).view({1, sk});
-    auto allowed = k_pos.le(q_pos);
-    if (partly_behind) {
-      allowed.logical_and_(q_pos.sub(k_pos).lt(window));
-    }
-    mask.allowed = allowed.view({1, 1, 1, sq, sk});
+    mask.allowed = k_pos.le(q_pos).view({1, 1, 1, sq, sk});
   }
   if (packed) {
     const int64_t b = q_segments.size(0);
@@ -198,10 +204,103 @@ void matmul_block_backward(const at::Tensor& q_in, const at::Tensor& k_in, const
   accumulate_grad(dk, at::matmul(ds.transpose(-1, -2), q).mul_(shapes.scale), acc);
 }
 
+// One query tile of a band: its rows [r0, r1) of the block, the keys [c0, c1) its window reaches
+// (causal: none after its last query), and their mask.
+struct Tile {
+  int64_t r0, r1, c0, c1;
+  BlockMask mask;
+};
+
+std::vector<Tile> band_tiles(const BlockMask& band, int64_t sq, int64_t sk, c10::Device device) {
+  std::vector<Tile> tiles;
+  const int64_t w = band.window;
+  for (int64_t r0 = 0; r0 < sq; r0 += w) {
+    const int64_t r1 = std::min(sq, r0 + w);
+    const int64_t first = band.q_start + r0 - w + 1, last = band.q_start + r1 - 1;  // global key range seen
+    const int64_t c0 = std::max<int64_t>(0, first - band.k_start), c1 = std::min(sk, last - band.k_start + 1);
+    if (c0 >= c1) {
+      continue;  // the tile's windows miss the block
+    }
+    auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+    auto q_pos = at::arange(band.q_start + r0, band.q_start + r1, opts).view({r1 - r0, 1});
+    auto k_pos = at::arange(band.k_start + c0, band.k_start + c1, opts).view({1, c1 - c0});
+    BlockMask mask;
+    mask.allowed = k_pos.le(q_pos).logical_and_(q_pos.sub(k_pos).lt(w)).view({1, 1, 1, r1 - r0, c1 - c0});
+    if (band.q_segments.defined()) {
+      const int64_t b = band.q_segments.size(0);
+      auto q_seg = band.q_segments.narrow(1, r0, r1 - r0).reshape({b, 1, 1, r1 - r0, 1});
+      auto k_seg = band.k_segments.narrow(1, c0, c1 - c0).reshape({b, 1, 1, 1, c1 - c0});
+      mask.allowed = mask.allowed.logical_and(q_seg.eq(k_seg));
+    }
+    tiles.push_back(Tile{r0, r1, c0, c1, std::move(mask)});
+  }
+  return tiles;
+}
+
+// Rows [r0, r1) of every query group of a grouped [b, hk, g * sq, ...] tensor, as [b, hk, g * (r1 - r0), ...].
+at::Tensor tile_rows(const at::Tensor& t, const Shapes& shapes, int64_t sq, int64_t r0, int64_t r1) {
+  auto shape = t.sizes().vec();
+  std::vector<int64_t> grouped{shape[0], shape[1], shapes.groups, sq};
+  grouped.insert(grouped.end(), shape.begin() + 3, shape.end());
+  std::vector<int64_t> folded{shape[0], shape[1], shapes.groups * (r1 - r0)};
+  folded.insert(folded.end(), shape.begin() + 3, shape.end());
+  return t.reshape(grouped).narrow(3, r0, r1 - r0).reshape(folded);
+}
+
+// The grouped [b, hk, g, sq, ...] view of a [b, hk, g * sq, ...] tensor's rows [r0, r1), to write into.
+at::Tensor rows_view(at::Tensor& t, const Shapes& shapes, int64_t sq, int64_t r0, int64_t r1) {
+  auto shape = t.sizes().vec();
+  std::vector<int64_t> grouped{shape[0], shape[1], shapes.groups, sq};
+  grouped.insert(grouped.end(), shape.begin() + 3, shape.end());
+  return t.view(grouped).narrow(3, r0, r1 - r0);
+}
+
+std::pair<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const BlockMask& band, const Shapes& shapes) {
+  const int64_t sq = q.size(2) / shapes.groups, sk = k.size(2);
+  const auto acc = q.options().dtype(shapes.acc_dtype);
+  auto out = at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, acc);
+  auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<double>::infinity(), acc);
+  for (const auto& tile : band_tiles(band, sq, sk, q.device())) {
+    auto [tile_out, tile_lse] = matmul_block_forward(tile_rows(q, shapes, sq, tile.r0, tile.r1),
+                                                     k.narrow(2, tile.c0, tile.c1 - tile.c0),
+                                                     v.narrow(2, tile.c0, tile.c1 - tile.c0), tile.mask, shapes);
+    const int64_t n = tile.r1 - tile.r0;
+    rows_view(out, shapes, sq, tile.r0, tile.r1).copy_(tile_out.view({q.size(0), q.size(1), shapes.groups, n, -1}));
+    rows_view(lse, shapes, sq, tile.r0, tile.r1).copy_(tile_lse.view({q.size(0), q.size(1), shapes.groups, n}));
+  }
+  return {out, lse};
+}
+
+void band_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+                   const at::Tensor& out, const at::Tensor& lse, const BlockMask& band, const Shapes& shapes,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const int64_t sq = q.size(2) / shapes.groups, sk = k.size(2);
+  const auto acc = q.options().dtype(shapes.acc_dtype);
+  auto band_dq = at::zeros(q.sizes(), acc), band_dk = at::zeros(k.sizes(), acc), band_dv = at::zeros(v.sizes(), acc);
+  for (const auto& tile : band_tiles(band, sq, sk, q.device())) {
+    at::Tensor tile_dq, tile_dk, tile_dv;
+    const int64_t c = tile.c1 - tile.c0, n = tile.r1 - tile.r0;
+    matmul_block_backward(tile_rows(q, shapes, sq, tile.r0, tile.r1), k.narrow(2, tile.c0, c),
+                          v.narrow(2, tile.c0, c), tile_rows(dout, shapes, sq, tile.r0, tile.r1),
+                          tile_rows(out, shapes, sq, tile.r0, tile.r1), tile_rows(lse, shapes, sq, tile.r0, tile.r1),
+                          tile.mask, shapes, tile_dq, tile_dk, tile_dv);
+    rows_view(band_dq, shapes, sq, tile.r0, tile.r1).add_(tile_dq.view({q.size(0), q.size(1), shapes.groups, n, -1}));
+    band_dk.narrow(2, tile.c0, c).add_(tile_dk);
+    band_dv.narrow(2, tile.c0, c).add_(tile_dv);
+  }
+  accumulate_grad(dq, band_dq, shapes.acc_dtype);
+  accumulate_grad(dk, band_dk, shapes.acc_dtype);
+  accumulate_grad(dv, band_dv, shapes.acc_dtype);
+}
+
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const BlockMask& mask, const Shapes& shapes) {
+  if (mask.window > 0) {
+    return band_forward(q, k, v, mask, shapes);
+  }
   const auto kernel = choose_kernel(q, k, mask, shapes);
   if (kernel == BlockKernel::Matmul) {
     return matmul_block_forward(q, k, v, mask, shapes);
@@ -247,6 +346,10 @@ void fill_unreached(at::Tensor& out, at::Tensor& lse, const at::Tensor& query_pi
 void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
                     const at::Tensor& out, const at::Tensor& lse, const BlockMask& mask, const Shapes& shapes,
                     at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  if (mask.window > 0) {
+    band_backward(q, k, v, dout, out, lse, mask, shapes, dq, dk, dv);
+    return;
+  }
   const auto kernel = choose_kernel(q, k, mask, shapes);
   if (kernel == BlockKernel::Matmul) {
     matmul_block_backward(q, k, v, dout, out, lse, mask, shapes, dq, dk, dv);
