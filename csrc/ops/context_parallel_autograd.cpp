@@ -75,7 +75,7 @@ at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const a
   const auto acc = lse.scalar_type();
   auto delta = (grad_out.to(acc) * out.to(acc)).sum(-1);  // [b, hq, s]
   auto p_sink = at::exp(sinks.to(acc).view({1, -1, 1}) - lse);
-  return (p_sink * delta).sum({0, 2}).neg_().to(sinks.scalar_type());
+  return (p_sink * delta).sum(at::IntArrayRef{0, 2}).neg_().to(sinks.scalar_type());
 }
 
 template <class Mode>
