@@ -42,6 +42,9 @@ class ContextParallel:
     mode: str = "ring"
     layout: str = "zigzag"
     calls: AttentionCalls = field(default_factory=AttentionCalls, compare=False, hash=False, repr=False)
+    # The position ids the latest layer was called with, for attention modules their layer does not
+    # give them to (Llama 4's, GPT-BigCode's): packed rows are told apart by them.
+    layer_positions: Dict[str, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -132,15 +135,10 @@ def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], loca
     return result
 
 
-# id(ContextParallel) -> the position ids the latest layer was called with, for attention modules
-# their layer does not give them to (Llama 4's, GPT-BigCode's): packed rows are told apart by them.
-_LAYER_POSITIONS: Dict[int, torch.Tensor] = {}
-
-
 def _record_positions(cp: ContextParallel):
     def hook(module, args, kwargs):
         if isinstance(kwargs.get("position_ids"), torch.Tensor):
-            _LAYER_POSITIONS[id(cp)] = kwargs["position_ids"]
+            cp.layer_positions["latest"] = kwargs["position_ids"]
     return hook
 
 
@@ -168,7 +166,7 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     check_call(module, query, key, attention_mask, dropout, softcap, sliding_window, causal, kwargs)
     cp.calls.count += 1
     if position_ids is None:
-        position_ids = _LAYER_POSITIONS.get(id(cp))
+        position_ids = cp.layer_positions.get("latest")
     segments = _segment_ids(cp, position_ids, query.size(2))
     if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)
