@@ -38,11 +38,13 @@ struct Shapes {
   double scale = 0.0;
   at::ScalarType acc_dtype;  // float for half/bfloat16 inputs, else the input dtype
   int64_t window = 0;  // sliding window: query i sees keys j with i - window < j (0: every earlier key)
+  double softcap = 0.0;  // scores capped to softcap * tanh(s / softcap) (0: none); the matmul path alone
 };
 
 Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
-                    Layout layout, int64_t group_size, bool causal, int64_t window, const char* op_name);
+                    Layout layout, int64_t group_size, bool causal, int64_t window, double softcap,
+                    const char* op_name);
 
 // [b, hq, s, ...] -> one grouped tensor per piece, [b, hk, g * n, ...] in `dtype`.
 std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes, at::ScalarType dtype);
@@ -73,8 +75,8 @@ BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, b
 // How a block is computed. The fused kernels return the log-sum-exp and hold O(s) memory: the CPU
 // flash kernel, CUDA's cuDNN (SDPA's choice on Hopper; fp16/bf16 without grouped-query heads),
 // flash (fp16/bf16) and memory-efficient (fp32) kernels. Matmul + softmax holds the [sq, sk]
-// scores and serves what they cannot: arbitrary masks (packed sequences), fp64 on CUDA, head
-// sizes the kernels reject.
+// scores and serves what they cannot: arbitrary masks (packed sequences), capped scores, fp64 on
+// CUDA, head sizes the kernels reject.
 enum class BlockKernel { Matmul, FlashCpu, Cudnn, Flash, Efficient };
 
 const char* kernel_name(BlockKernel kernel);

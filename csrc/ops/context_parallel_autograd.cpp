@@ -1,5 +1,5 @@
 // Autograd of ring_attention and all_gather_attention: forward calls the mode's *_forward op
-// (output and log-sum-exp), folds in the attention sinks if any, and saves q, k, v, the output
+// (output and log-sum-exp; scores capped there), folds in the attention sinks if any, and saves q, k, v, the output
 // and the log-sum-exp; backward calls its *_backward op, which recomputes each block's
 // probabilities, and computes the sinks' gradient. Also the calls without autograd and the fake
 // (meta) kernels.
@@ -19,11 +19,11 @@ using torch::autograd::variable_list;
 using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                             const std::optional<at::Tensor>&, c10::string_view,
                                                             int64_t, bool, std::optional<double>, c10::string_view,
-                                                            int64_t);
+                                                            int64_t, double);
 using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const std::optional<at::Tensor>&, c10::string_view, int64_t, bool, std::optional<double>, c10::string_view,
-    int64_t);
+    int64_t, double);
 
 struct Ring {
   static constexpr const char* name = "ring_attention";
@@ -83,10 +83,11 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
                             int64_t group_size, bool causal, std::optional<double> scale,
-                            c10::string_view layout, int64_t window, const std::optional<at::Tensor>& sinks) {
+                            c10::string_view layout, int64_t window, const std::optional<at::Tensor>& sinks,
+                            double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse] =
-        forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window);
+        forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, softcap);
     if (has(sinks)) {
       check_sinks(q, *sinks, Mode::name);
       std::tie(out, lse) = fold_sinks(out, lse, *sinks);
@@ -98,6 +99,7 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
     ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
     ctx->saved_data["layout"] = std::string(layout);
     ctx->saved_data["window"] = window;
+    ctx->saved_data["softcap"] = softcap;
     return out;
   }
 
@@ -113,10 +115,11 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
     auto [dq, dk, dv] = backward_op<Mode>().call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4],
                                                   segment_ids, group_name, ctx->saved_data["group_size"].toInt(),
                                                   ctx->saved_data["causal"].toBool(), scale, layout,
-                                                  ctx->saved_data["window"].toInt());
+                                                  ctx->saved_data["window"].toInt(),
+                                                  ctx->saved_data["softcap"].toDouble());
     auto dsinks = saved[6].defined() ? sinks_grad(grad_out, saved[3], saved[4], saved[6]) : at::Tensor();
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), dsinks};
+            at::Tensor(), dsinks, at::Tensor()};
   }
 };
 
@@ -124,8 +127,9 @@ template <class Mode>
 at::Tensor attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
                               int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout,
-                              int64_t window, const std::optional<at::Tensor>& sinks) {
-  return Attention<Mode>::apply(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, sinks);
+                              int64_t window, const std::optional<at::Tensor>& sinks, double softcap) {
+  return Attention<Mode>::apply(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, sinks,
+                                softcap);
 }
 
 // Without autograd: the forward op's output (sinks folded in) alone.
@@ -133,8 +137,9 @@ template <class Mode>
 at::Tensor attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
                              int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout,
-                             int64_t window, const std::optional<at::Tensor>& sinks) {
-  auto [out, lse] = forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window);
+                             int64_t window, const std::optional<at::Tensor>& sinks, double softcap) {
+  auto [out, lse] =
+      forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, softcap);
   if (!has(sinks)) {
     return out;
   }
@@ -151,20 +156,20 @@ at::ScalarType acc_dtype(const at::Tensor& q) {
 
 at::Tensor attention_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                           c10::string_view, int64_t, bool, std::optional<double>, c10::string_view, int64_t,
-                          const std::optional<at::Tensor>&) {
+                          const std::optional<at::Tensor>&, double) {
   return at::empty_like(q);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                                 const std::optional<at::Tensor>&, c10::string_view, int64_t, bool,
-                                                std::optional<double>, c10::string_view, int64_t) {
+                                                std::optional<double>, c10::string_view, int64_t, double) {
   return {at::empty_like(q), at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(acc_dtype(q)))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_fake(
     const at::Tensor&, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view, int64_t, bool, std::optional<double>,
-    c10::string_view, int64_t) {
+    c10::string_view, int64_t, double) {
   return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
 }
 

@@ -35,7 +35,8 @@ std::vector<int64_t> chunks_of(int64_t rank, int64_t world, Layout layout) {
 
 Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
-                    Layout layout, int64_t group_size, bool causal, int64_t window, const char* op_name) {
+                    Layout layout, int64_t group_size, bool causal, int64_t window, double softcap,
+                    const char* op_name) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "torchpp.", op_name,
               ": query, key and value must be [batch, heads, s_local, head_dim], got shapes ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
@@ -80,6 +81,9 @@ Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                 ": segment_ids must be integers, got ", seg.scalar_type());
   }
   shapes.window = window;
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "torchpp.", op_name,
+              ": softcap must be positive and finite (0: none), got ", softcap);
+  shapes.softcap = softcap;
   shapes.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(shapes.head_dim));
   const auto dtype = q.scalar_type();
   shapes.acc_dtype = (dtype == at::kHalf || dtype == at::kBFloat16) ? at::kFloat : dtype;
@@ -168,9 +172,18 @@ at::Tensor mask_tensor(const BlockMask& mask, int64_t sq, int64_t sk, c10::Devic
   return at::ones({sq, sk}, at::TensorOptions().dtype(at::kBool).device(device)).tril().view({1, 1, 1, sq, sk});
 }
 
-// q k^T * scale with disallowed keys at -inf: [b, hk, g * sq, sk].
-at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes) {
+// q k^T * scale, capped to softcap * tanh(s / softcap) where asked, with disallowed keys at -inf:
+// [b, hk, g * sq, sk]. cap_slope, where given, receives the cap's derivative 1 - tanh^2 (unmasked).
+at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes,
+                  at::Tensor* cap_slope = nullptr) {
   auto s = at::matmul(q, k.transpose(-1, -2)).mul_(shapes.scale);
+  if (shapes.softcap > 0) {
+    s.div_(shapes.softcap).tanh_();
+    if (cap_slope != nullptr) {
+      *cap_slope = s.square().neg_().add_(1);
+    }
+    s.mul_(shapes.softcap);
+  }
   const int64_t sq = q.size(2) / shapes.groups, sk = s.size(-1);
   auto allowed = mask_tensor(mask, sq, sk, q.device());
   if (allowed.defined()) {
@@ -197,9 +210,13 @@ void matmul_block_backward(const at::Tensor& q_in, const at::Tensor& k_in, const
   const auto acc = shapes.acc_dtype;
   const auto q = q_in.to(acc), k = k_in.to(acc), v = v_in.to(acc), dout = dout_in.to(acc);
   const auto delta = (dout * out.to(acc)).sum(-1);  // rowsum(dO * O), as flash attention's backward
-  auto probs = scores(q, k, mask, shapes).sub_(finite_lse(lse).unsqueeze(-1)).exp_();
+  at::Tensor cap_slope;  // defined under a softcap: dS reaches the uncapped scores through it
+  auto probs = scores(q, k, mask, shapes, &cap_slope).sub_(finite_lse(lse).unsqueeze(-1)).exp_();
   accumulate_grad(dv, at::matmul(probs.transpose(-1, -2), dout), acc);  // sums the query groups of each key head
   auto ds = at::matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(probs);
+  if (cap_slope.defined()) {
+    ds.mul_(cap_slope);
+  }
   accumulate_grad(dq, at::matmul(ds, k).mul_(shapes.scale), acc);
   accumulate_grad(dk, at::matmul(ds.transpose(-1, -2), q).mul_(shapes.scale), acc);
 }

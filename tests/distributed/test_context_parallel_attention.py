@@ -1,10 +1,11 @@
 """Context-parallel attention (torch.ops.torchpp.ring_attention / all_gather_attention) on spawned
 gloo ranks: each rank's output and its q, k, v gradients equal its shard of full-sequence SDPA
 (fp64, 1e-10), at cp=2 and cp=4, causal and full, both modes, both layouts, grouped-query
-attention and packed sequences, sliding windows and attention sinks (against the softmax written
-out, the sinks' gradient summed over the ranks); bad lengths, layouts and modes raise naming the values. Blocks run
-on the CPU flash kernel (which returns the log-sum-exp) except where a mask it cannot take
-applies (packed sequences: matmul + softmax), and TORCHPP_CP_KERNEL=matmul forces that path."""
+attention and packed sequences, sliding windows, attention sinks and capped scores (against the
+softmax written out, the sinks' gradient summed over the ranks); bad lengths, layouts and modes
+raise naming the values. Blocks run on the CPU flash kernel (which returns the log-sum-exp) except
+where a mask it cannot take applies (packed sequences) or scores are capped: matmul + softmax;
+TORCHPP_CP_KERNEL=matmul forces that path."""
 import itertools
 import os
 
@@ -40,16 +41,17 @@ def _segments(seq_len: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _reference(q, k, v, grad, causal, segments, window=None, sinks=None):
-    """Full-sequence attention: SDPA, or with a window or sinks softmax written out (a sink is one
-    more logit per head in the denominator): output, then the gradients of q, k, v (and sinks)."""
+def _reference(q, k, v, grad, causal, segments, window=None, sinks=None, softcap=None):
+    """Full-sequence attention: SDPA, or with a window, sinks or a score cap softmax written out (a
+    sink is one more logit per head in the denominator; capped scores are softcap * tanh(s / softcap),
+    as Gemma 2's): output, then the gradients of q, k, v (and sinks)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     mask = None
     if segments is not None:
         mask = segments[:, None, :, None] == segments[:, None, None, :]
         if causal:
             mask = mask & torch.ones(q.size(2), q.size(2), dtype=torch.bool).tril()
-    if window is None and sinks is None:
+    if window is None and sinks is None and softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                              enable_gqa=True)
         return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
@@ -61,7 +63,10 @@ def _reference(q, k, v, grad, causal, segments, window=None, sinks=None):
     allowed = allowed if mask is None else mask & allowed
     groups = q.size(1) // k.size(1)
     keys, values = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ keys.transpose(-1, -2) / q.size(-1) ** 0.5).masked_fill(~allowed, float("-inf"))
+    scores = q @ keys.transpose(-1, -2) / q.size(-1) ** 0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
     inputs = (q, k, v)
     if sinks is not None:
         sinks = sinks.clone().requires_grad_()
@@ -78,14 +83,14 @@ RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.device("cpu"), dtype=torch.float64,
-                window=None, sinks=False):
+                window=None, sinks=False, softcap=None):
     """The sharded attention on `device` in `dtype` against full-sequence attention in float64 (on
     the same inputs, rounded to `dtype`); with `sinks`, their gradient summed over the ranks."""
     group = dist.group.WORLD
     q, k, v, grad = (t.to(dtype).double() for t in _inputs(seq_len, kv_heads))
     segments = _segments(seq_len) if packed else None
     sink_logits = torch.linspace(-1.0, 2.0, HEADS, dtype=dtype).double() if sinks else None
-    expected = _reference(q, k, v, grad, causal, segments, window, sink_logits)
+    expected = _reference(q, k, v, grad, causal, segments, window, sink_logits, softcap)
     shard = lambda t: shard_sequence(t, group, dim=2, layout=layout)  # noqa: E731
     local = lambda t: shard(t).to(device, dtype)  # noqa: E731
     ql, kl, vl = (local(t).requires_grad_() for t in (q, k, v))
@@ -96,7 +101,7 @@ def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.de
         inputs += (local_sinks,)
     local_segments = shard_sequence(segments, group, dim=1, layout=layout).to(device) if packed else None
     out = attention(ql, kl, vl, group, causal=causal, mode=mode, layout=layout, segment_ids=local_segments,
-                    window=window, sinks=local_sinks)
+                    window=window, sinks=local_sinks, softcap=softcap)
     got = [out.detach(), *torch.autograd.grad(out, inputs, local(grad))]
     if sinks:  # each rank's queries' share
         dist.all_reduce(got[4], group=group)
@@ -106,7 +111,8 @@ def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.de
         assert mine.dtype == dtype, f"{name} came back in {mine.dtype}"
         error = (mine.cpu().double() - (full if name == "dsinks" else shard(full))).abs().max().item()
         assert error <= tol, (f"{mode} {layout} causal={causal} packed={packed} kv_heads={kv_heads} window={window} "
-                             f"sinks={sinks} {dtype} on {device}: {name} off by {error} (tolerance {tol})")
+                             f"sinks={sinks} softcap={softcap} {dtype} on {device}: {name} off by {error} "
+                             f"(tolerance {tol})")
     if dtype == torch.float64:
         assert (unshard_sequence(out.detach(), group, dim=2, layout=layout).cpu() - expected[0]).abs().max() < TOL
 
@@ -135,6 +141,14 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
                     dtype=dtype, window=chunk + 1, sinks=True)
         _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=False, packed=False, device=device,
                     dtype=dtype, sinks=True)
+    # Capped scores (a cap of 1 bends these scores, about N(0, 1), markedly): causal and full, with a
+    # window and sinks, on packed rows.
+    for mode, layout, causal in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"), (True, False)):
+        _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False, device=device,
+                    dtype=dtype, softcap=1.0)
+    for mode in ("ring", "all-gather"):
+        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
+                    dtype=dtype, window=chunk + 1, sinks=True, softcap=1.0)
     return True
 
 
@@ -163,6 +177,10 @@ def check_errors():
     q4 = torch.zeros(1, 2, 4, 4)
     with pytest.raises(ValueError, match="window must be positive .* got 0"):
         attention(q4, q4, q4, group, window=0)
+    with pytest.raises(ValueError, match="softcap must be positive .* got -1.0"):
+        attention(q4, q4, q4, group, softcap=-1.0)
+    with pytest.raises(RuntimeError, match="softcap must be positive and finite .* got inf"):
+        attention(q4, q4, q4, group, softcap=float("inf"))
     with pytest.raises(RuntimeError, match=r"a sliding window \(window=3\) applies to causal attention"):
         attention(q4, q4, q4, group, causal=False, window=3)
     for mode in ("ring", "all-gather"):
@@ -200,7 +218,7 @@ BLOCK_KERNELS = {"flash_cpu": "aten::_scaled_dot_product_flash_attention_for_cpu
 
 
 def _kernels_used(packed: bool, kernel: str = "flash_cpu", device=torch.device("cpu"),
-                  dtype=torch.float64, kv_heads: int = 2) -> dict:
+                  dtype=torch.float64, kv_heads: int = 2, softcap=None) -> dict:
     """Profiler counts of a block kernel's forward and backward in one forward + backward of ring
     attention."""
     group = dist.group.WORLD
@@ -208,7 +226,7 @@ def _kernels_used(packed: bool, kernel: str = "flash_cpu", device=torch.device("
     segments = shard_sequence(_segments(q.size(2)), group, dim=1).to(device) if packed else None
     ql, kl, vl = (shard_sequence(t, group, dim=2).requires_grad_() for t in (q, k, v))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = attention(ql, kl, vl, group, causal=True, segment_ids=segments)
+        out = attention(ql, kl, vl, group, causal=True, segment_ids=segments, softcap=softcap)
         out.backward(shard_sequence(grad, group, dim=2))
     names = [event.name for event in prof.events()]
     return {kind: sum(name == f"{BLOCK_KERNELS[kernel]}{kind}" for name in names) for kind in ("", "_backward")}
@@ -218,6 +236,7 @@ def check_block_kernels():
     flash = _kernels_used(packed=False)
     assert flash[""] > 0 and flash["_backward"] > 0, f"unmasked blocks did not run the flash kernel: {flash}"
     assert sum(_kernels_used(packed=True).values()) == 0, "packed blocks need their mask: matmul path"
+    assert sum(_kernels_used(packed=False, softcap=2.0).values()) == 0, "capped scores take the matmul path"
     os.environ["TORCHPP_CP_KERNEL"] = "matmul"
     try:
         forced = _kernels_used(packed=False)

@@ -7,7 +7,9 @@ unwrapped model in float64: loss, logits (gathered over cp), every gradient afte
 DistributedOptimizer's reduction over the dp-cp group, and one SGD step
 (torchpp.testing.model_checks.check_cp). Sliding windows, attention sinks (GPT-OSS, also at cp=2
 x tp=2 and x pp=2) and Llama 4's chunked layers too. Bad inputs raise on every rank naming the
-value; what sharded attention cannot do (score caps, sparse indexed attention) raises naming it."""
+value; what sharded attention cannot do (sparse indexed attention, compressed key/value entries)
+raises naming it. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
+short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2."""
 import pytest
 import torch
 
@@ -65,8 +67,6 @@ def check_errors():
         parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
     with pytest.raises(NotImplementedError, match="load-balancing loss .* not supported with cp=2"):
         parallelize(tiny_model("mixtral", output_router_logits=True), state=state)
-    with pytest.raises(NotImplementedError, match=r"caps its scores \(softcap=50.0\)"):
-        parallelize(tiny_model("gemma2", attn_logit_softcapping=50.0), state=state)(input_ids=ids)
     with pytest.raises(NotImplementedError, match="layers of type 'indexed_attention' use sparse attention"):
         parallelize(tiny_model("deepseek_v32"), state=state)
     with pytest.raises(NotImplementedError, match="'compressed_sparse_attention' use compressed key/value entries"):
@@ -93,9 +93,13 @@ def test_cp2_with_tp2_pp2_or_dp2(ranks, dim, model_type):
     assert len(results) == 4 and all(isinstance(r, (str, list)) for r in results), results
 
 
+SOFTCAP = 0.02
+
+
 def check_masks():
     """Sliding windows (Mistral's on every layer, Gemma 3's and GPT-OSS's on some), GPT-OSS's attention
-    sinks, Llama 4's chunked layers, on packed rows too and in both modes and layouts."""
+    sinks, Llama 4's chunked layers, Gemma 2's capped scores, on packed rows too and in both modes and
+    layouts."""
     return {"mistral": check_cp("mistral", sliding_window=5),
             "mistral packed all-gather": check_cp("mistral", sliding_window=5, packed=True, mode="all-gather"),
             "gemma3 packed": check_cp("gemma3_text", sliding_window=3, packed=True),
@@ -104,12 +108,45 @@ def check_masks():
             "llama4 chunks": check_cp("llama4_text", attention_chunk_size=4),
             "llama4 chunks contiguous": check_cp("llama4_text", attention_chunk_size=6, layout="contiguous"),
             "llama4 chunks packed all-gather": check_cp("llama4_text", attention_chunk_size=4, packed=True,
-                                                        mode="all-gather")}
+                                                        mode="all-gather"),
+            # A cap low enough to bend these small scores: ignoring it fails the comparison.
+            "gemma2 capped packed": check_cp("gemma2", attn_logit_softcapping=SOFTCAP, sliding_window=3, packed=True),
+            "vaultgemma capped all-gather": check_cp("vaultgemma", attn_logit_softcapping=SOFTCAP, sliding_window=5,
+                                                     mode="all-gather", layout="contiguous")}
 
 
 def test_cp2_windows_sinks_and_chunks(ranks):
     results = ranks(2).run(check_masks, timeout=TIMEOUT_S)
-    assert all(len(r) == 8 for r in results), results
+    assert all(len(r) == 10 for r in results), results
+
+
+CONV_LAYERS = ["conv", "full_attention", "conv", "full_attention"]
+
+
+def check_short_convolutions():
+    """LFM2-family short convolutions, each chunk run with the tokens before it from their ranks:
+    kernel 3 with biases on packed rows, LFM3's kernel 7 reaching over two chunks of 4 (and both
+    chunks of the rank before the first one), LFM2-MoE in the other mode and layout."""
+    return {"lfm2 packed": check_cp("lfm2", layer_types=CONV_LAYERS, conv_bias=True, packed=True),
+            "lfm3 kernel 7": check_cp("lfm3", conv_bias=True),
+            "lfm2_moe contiguous all-gather": check_cp("lfm2_moe", mode="all-gather", layout="contiguous")}
+
+
+def test_cp2_short_convolutions_with_halos(ranks):
+    results = ranks(2).run(check_short_convolutions, timeout=TIMEOUT_S)
+    assert all(len(r) == 3 for r in results), results
+
+
+def check_short_convolutions_at(dims: str):
+    if dims == "cp4":  # chunks of 2 tokens: a kernel-7 halo spans three chunks held by three ranks
+        return check_cp("lfm3", cp=4, conv_bias=True)
+    return check_cp("lfm2", tp=2, plan="auto", layer_types=CONV_LAYERS, conv_bias=True)
+
+
+@pytest.mark.parametrize("dims", ["cp4", "cp2xtp2"])
+def test_short_convolutions_at_cp4_and_with_tp(ranks, dims):
+    results = ranks(4).run(check_short_convolutions_at, dims, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all(isinstance(r, str) for r in results), results
 
 
 def check_sinks_with(dim: str):

@@ -14,7 +14,8 @@ log-sum-exp; the backward passes key/value gradients around the ring (or reduce-
 | attention           | softmax attention of this rank's queries to the whole sequence |
 | sequence_positions  | the global positions this rank's shard holds                |
 
-Model-level integration (``parallelize(model, cp=)``) is not there yet: see docs/context_parallel.md.
+Model-level integration: ``parallelize(model, cp=)`` (``torchpp.context_parallel.hf``: attention;
+``torchpp.context_parallel.halo``: short convolutions). See docs/context_parallel.md.
 """
 from __future__ import annotations
 
@@ -134,6 +135,7 @@ def attention(
     segment_ids: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
     sinks: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Softmax attention of this rank's query shard to the whole (sharded) sequence.
 
@@ -158,6 +160,9 @@ def attention(
             every query's window are skipped. None: every earlier token.
         sinks: [heads] attention sinks (GPT-OSS): one learned logit per head added to each
             softmax's denominator, attending to nothing; they get their gradient.
+        softcap: scores capped to ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
+            attention logit softcapping); such blocks run on matmul + softmax, the fused kernels
+            having no cap. None: uncapped.
 
     Returns:
         [b, heads, s_local, d], this rank's shard of the output.
@@ -172,4 +177,7 @@ def attention(
         raise ValueError(f"torchpp.context_parallel.attention: mode must be one of {MODES}, got {mode!r}")
     if window is not None and window <= 0:
         raise ValueError(f"torchpp.context_parallel.attention: window must be positive (None: no window), got {window}")
-    return op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout, window or 0, sinks)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"torchpp.context_parallel.attention: softcap must be positive (None: none), got {softcap}")
+    return op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout, window or 0, sinks,
+              softcap or 0.0)

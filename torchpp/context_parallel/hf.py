@@ -28,6 +28,7 @@ from torch import nn
 
 from torchpp import recompute
 from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
+from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.hf_support import AttentionCalls, attention_configs, check_call, check_model, layer_type
 
 IGNORE_INDEX = -100
@@ -156,14 +157,14 @@ def _chunk_ids(cp: ContextParallel, segments: Optional[torch.Tensor], position_i
 def _attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                sliding_window=None, softcap=None, position_ids=None, s_aux=None, **kwargs):
     """transformers' attention-function interface over torchpp.context_parallel.attention: causal
-    (or not, by the module's ``is_causal``), sliding windows, attention sinks and Llama 4's chunked
-    layers; packed rows told apart by their position ids. What it cannot shard raises."""
+    (or not, by the module's ``is_causal``), sliding windows, attention sinks, capped scores and
+    Llama 4's chunked layers; packed rows told apart by their position ids. What it cannot shard raises."""
     cp: Optional[ContextParallel] = getattr(module, "torchpp_cp", None)
     if cp is None:
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__} was not wrapped by "
                            f"parallelize(..., cp=)")
     causal = getattr(module, "is_causal", True)
-    check_call(module, query, key, attention_mask, dropout, softcap, sliding_window, causal, kwargs)
+    check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
     cp.calls.count += 1
     if position_ids is None:
         position_ids = cp.layer_positions.get("latest")
@@ -171,7 +172,7 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)
     out = attention(query, key, value, cp.group, causal=causal, scale=scaling, mode=cp.mode, layout=cp.layout,
-                    segment_ids=segments, window=sliding_window, sinks=s_aux)
+                    segment_ids=segments, window=sliding_window, sinks=s_aux, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -205,6 +206,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
         config._attn_implementation = name
     if layers is not None:
         cp.calls.watch(model.get_submodule(layers), layers)
+    apply_halos(model, cp)
     record = _record_positions(cp)
     for module in model.modules():  # the attention function gets its module: each one knows the group
         module.torchpp_cp = cp

@@ -1,7 +1,8 @@
 """What sharded attention can serve in a transformers model, and the refusals of what it cannot,
 each naming the module and the reason: at wrap time (``check_model``), at each attention call
-(``check_call``), and after each layer (``layers_attend``: a layer that mixes the sequence
-without calling attention, a Mamba, convolution or recurrent layer, would run on its shard alone).
+(``check_call``), and after each layer (``AttentionCalls``: a layer that mixes the sequence
+without calling attention or a sharded short convolution (``halo``), a Mamba, convolution or
+recurrent layer, would run on its shard alone).
 Under cp transformers builds no mask, so anything a model expresses only through its mask or its
 own attention code would otherwise be silently lost."""
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from torch import nn
+
+from torchpp.context_parallel.halo import halo_conv
 
 # Layer types whose masks transformers builds otherwise than by position and window.
 COMPRESSED = "compressed key/value entries with a mask of their own (DeepSeek-V4's compressor)"
@@ -41,9 +44,10 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
         if dropout:
             raise ValueError(f"torchpp.parallelize: cp={size} needs attention_dropout=0 (the model's config has "
                              f"{dropout}): sharded attention has no dropout")
+    haloed = {id(halo_conv(module)) for module in model.modules() if halo_conv(module) is not None}
     for name, module in model.named_modules():
         if layers is not None and name.startswith(f"{layers}.") and isinstance(module, nn.Conv1d) \
-                and module.kernel_size[0] > 1:
+                and module.kernel_size[0] > 1 and id(module) not in haloed:
             raise NotImplementedError(f"{where}: {name} convolves over the sequence (kernel {module.kernel_size[0]}), "
                                       f"which reads across the edges of a shard of the sequence")
         if name.rpartition(".")[2] == "position_embeddings" and getattr(module, "padding_idx", None) is not None:
@@ -57,8 +61,7 @@ def attention_configs(model: nn.Module) -> Dict[int, object]:
             if c is not None and hasattr(c, "_attn_implementation")}
 
 
-def check_call(module: nn.Module, query, key, attention_mask, dropout, softcap, sliding_window, causal: bool,
-               kwargs) -> None:
+def check_call(module: nn.Module, query, key, attention_mask, dropout, sliding_window, causal: bool, kwargs) -> None:
     """Refuses an attention call asking for what sharded attention does not implement."""
     name = type(module).__name__
     if key.size(2) != query.size(2):
@@ -67,9 +70,6 @@ def check_call(module: nn.Module, query, key, attention_mask, dropout, softcap, 
                                   f"cannot place in the sequence")
     if dropout:
         raise NotImplementedError(f"{PREFIX}: {name} asks for attention dropout {dropout}, which sharded attention "
-                                  f"does not implement")
-    if softcap:
-        raise NotImplementedError(f"{PREFIX}: {name} caps its scores (softcap={softcap}), which sharded attention "
                                   f"does not implement")
     if attention_mask is not None:  # transformers builds none under cp: the model made its own
         raise NotImplementedError(f"{PREFIX}: {name} is given an attention mask it built itself "
@@ -87,8 +87,8 @@ def check_call(module: nn.Module, query, key, attention_mask, dropout, softcap, 
 
 
 class AttentionCalls:
-    """Counts a model's sharded attention calls, so that each layer of its stack can be checked to
-    have made one."""
+    """Counts a model's sharded sequence-mixing calls (attention, short convolutions with halos),
+    so that each layer of its stack can be checked to have made one."""
 
     def __init__(self):
         self.count = 0

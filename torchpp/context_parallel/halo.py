@@ -1,0 +1,91 @@
+"""Short causal convolutions over a sharded sequence (LFM2's gated short convolutions).
+
+A causal convolution of kernel k reads, for each token, the k-1 tokens before it, which for the
+first tokens of a chunk live on another rank (zigzag: rank r's chunks r and 2c-1-r follow chunks
+held by ranks r-1 and r+1). Each rank all-gathers the last min(k-1, n) tokens of each of its
+chunks (n tokens each; a few tokens per rank, whatever the sequence length), and runs the mixer
+once per chunk on those k-1 tokens before it followed by the chunk, keeping the chunk's outputs.
+At the start of the sequence fewer tokens precede the chunk, and the mixer's own zero padding
+applies, as on the whole sequence. The gather's backward reduce-scatters, so the neighbours'
+tokens get their gradient.
+
+Only mixers known to be per token except for one causal depthwise convolution are served
+(``HALO_MIXERS``): running them on the k-1 extra tokens is then exact for the chunk's tokens.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from torchpp.context_parallel import chunk_indices
+from torchpp.ops import gather_from_sp_region
+
+if TYPE_CHECKING:
+    from torchpp.context_parallel.hf import ContextParallel
+
+# Mixer classes whose forward is per token but for one causal convolution, by the attribute that holds it.
+HALO_MIXERS = {"Lfm2ShortConv": "conv", "Lfm2MoeShortConv": "conv", "Lfm3ShortConv": "conv"}
+
+
+def halo_conv(module: nn.Module) -> Optional[nn.Conv1d]:
+    """The causal convolution of a mixer torchpp runs on a shard with halos, or None."""
+    attr = HALO_MIXERS.get(type(module).__name__)
+    conv = getattr(module, attr, None) if attr else None
+    return conv if isinstance(conv, nn.Conv1d) else None
+
+
+def chunk_owner(chunk: int, size: int, layout: str) -> Tuple[int, int]:
+    """(rank, piece) holding global chunk ``chunk`` (inverse of ``chunk_indices``)."""
+    if layout == "contiguous":
+        return chunk, 0
+    return (chunk, 0) if chunk < size else (2 * size - 1 - chunk, 1)
+
+
+def _halos(cp: "ContextParallel", pieces: List[torch.Tensor], halo: int) -> List[torch.Tensor]:
+    """For each of this rank's pieces, the up to ``halo`` tokens before its chunk in the sequence."""
+    size, n = cp.size, pieces[0].size(1)
+    tail = min(halo, n)  # halo > n: whole chunks, several of them before each chunk
+    tails = gather_from_sp_region(torch.cat([p[:, n - tail:] for p in pieces], dim=1), cp.group, dim=1)
+    per_rank = len(pieces)
+    halos = []
+    for chunk in chunk_indices(cp.group.rank(), size, cp.layout):
+        before = min(chunk, math.ceil(halo / n))  # chunks (whole, but for the first) reaching back `halo` tokens
+        parts = []
+        for previous in range(chunk - before, chunk):
+            rank, piece = chunk_owner(previous, size, cp.layout)
+            parts.append(tails.narrow(1, (rank * per_rank + piece) * tail, tail))
+        # The first chunk takes an empty slice of the gathered tails: every rank's graph then holds the
+        # gather, so every rank joins its reduce-scatter in backward (else the others wait forever).
+        joined = torch.cat(parts, dim=1) if parts else tails[:, :0]
+        halos.append(joined[:, max(0, joined.size(1) - halo):])
+    return halos
+
+
+def _sharded_forward(forward, cp: "ContextParallel", halo: int, *args, **kwargs):
+    hidden = args[0] if args else kwargs.pop("hidden_states")
+    rest = args[1:]
+    cp.calls.count += 1  # the layer mixes its sequence through sharded code
+    n_pieces = len(chunk_indices(0, cp.size, cp.layout))
+    pieces = list(hidden.chunk(n_pieces, dim=1))
+    outs = []
+    for piece, before in zip(pieces, _halos(cp, pieces, halo)):
+        out = forward(torch.cat([before, piece], dim=1), *rest, **kwargs)
+        outs.append(out[:, before.size(1):])
+    return torch.cat(outs, dim=1)
+
+
+def apply_halos(model: nn.Module, cp: "ContextParallel") -> int:
+    """Runs each ``HALO_MIXERS`` module of ``model`` on its shard with halos; returns how many."""
+    wrapped = 0
+    for module in model.modules():
+        conv = halo_conv(module)
+        if conv is None or getattr(module, "_torchpp_halo", False):  # (the recompute pass applies cp again)
+            continue
+        module.forward = functools.partial(_sharded_forward, module.forward, cp, conv.kernel_size[0] - 1)
+        module._torchpp_halo = True
+        wrapped += 1
+    return wrapped
