@@ -3,6 +3,7 @@ the stages carry what the loss needs (router statistics), and parameters held by
 stages (a tied embedding and head) get their group."""
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -12,7 +13,7 @@ from torchpp.models.parallel_config import PipelineOptions
 from torchpp.models.passes.state import WrapState
 from torchpp.models.plans import text_config
 from torchpp.models.stages import ModelStage, get_submodule
-from torchpp.parallel.groups import ParallelState, new_layout_group, rank_grid
+from torchpp.parallel.groups import ParallelState, mesh_grid, new_layout_group
 from torchpp.parallel.object_collectives import all_gather_objects
 
 
@@ -121,16 +122,15 @@ def _unique(params) -> List[nn.Parameter]:
 
 
 def end_ranks_group(state: ParallelState, first_rank: int, last_rank: int) -> Optional[dist.ProcessGroup]:
-    """The group of two pipeline ranks (the first and last stages') with this rank's (dp, tp)
+    """The group of two pipeline ranks (the first and last stages') with this rank's (dp, cp, tp)
     coordinates; collective: every rank creates every such group."""
-    grid = rank_grid(state.tp, state.pp, state.dp, state.order)
+    grid = mesh_grid(state.tp, state.pp, state.dp, state.cp, state.order)
     mine = None
-    for d in range(state.dp):
-        for t in range(state.tp):  # every rank creates every group, in the same order
-            ranks = [int(grid[first_rank, d, t]), int(grid[last_rank, d, t])]
-            group = new_layout_group(state, ranks)
-            if dist.get_rank() in ranks:
-                mine = group
+    for d, c, t in itertools.product(range(state.dp), range(state.cp), range(state.tp)):
+        ranks = [int(grid[first_rank, d, c, t]), int(grid[last_rank, d, c, t])]  # every rank creates every group
+        group = new_layout_group(state, ranks)
+        if dist.get_rank() in ranks:
+            mine = group
     return mine
 
 
