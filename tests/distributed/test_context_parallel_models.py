@@ -1,7 +1,8 @@
 """parallelize(model, cp=): transformers causal LMs with the sequence split over context-parallel
 ranks, each cp group given its batch whole. Llama and Qwen2 at cp=2, cp=2 x tp=2 (Qwen2 with
 sequence parallelism), cp=2 x pp=2 (zb-h1) and Llama at cp=2 x dp=2 (also under ZeRO-2 and
-ZeRO-3, sharded over dp x cp); both attention modes and
+ZeRO-3, sharded over dp x cp); MoE models with their experts split over the cp (and dp) ranks
+(ep=2 at cp=2, ep=4 at cp=2 x dp=2); both attention modes and
 layouts, packed sequences (position ids restarting) and selective recompute. Each equals the
 unwrapped model in float64: loss, logits (gathered over cp), every gradient after
 DistributedOptimizer's reduction over the dp-cp group, and one SGD step
@@ -48,6 +49,8 @@ def check_cp_with(dim: str, model_type: str):
         return check_cp(model_type, dp=2, packed=True)
     if dim == "zero":  # gradients reduce-scattered (ZeRO-2), parameters sharded too (ZeRO-3) over dp x cp
         return [check_cp(model_type, dp=2, zero=zero) for zero in (2, 3)]
+    if dim == "ep":  # the experts split over all four dp x cp ranks, each rank routing its own shard's tokens
+        return check_cp(model_type, dp=2, ep=4)
     return check_cp(model_type, pp=2, schedule="zb-h1", n_microbatches=2, packed=model_type == "qwen2")
 
 
@@ -87,7 +90,7 @@ def test_cp2_more_families_packed(ranks):
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),
-                                            ("dp", "llama"), ("zero", "llama")])
+                                            ("dp", "llama"), ("zero", "llama"), ("ep", "mixtral")])
 def test_cp2_with_tp2_pp2_or_dp2(ranks, dim, model_type):
     results = ranks(4).run(check_cp_with, dim, model_type, timeout=TIMEOUT_S)
     assert len(results) == 4 and all(isinstance(r, (str, list)) for r in results), results
@@ -149,6 +152,18 @@ def check_short_convolutions_at(dims: str):
 def test_short_convolutions_at_cp4_and_with_tp(ranks, dims):
     results = ranks(4).run(check_short_convolutions_at, dims, timeout=TIMEOUT_S)
     assert len(results) == 4 and all(isinstance(r, str) for r in results), results
+
+
+def check_experts_over_cp():
+    """Expert parallelism over the cp ranks (ep=2 inside dp x cp = 1 x 2): each rank dispatches its
+    shard's tokens to both ranks' experts."""
+    return {"qwen2_moe packed": check_cp("qwen2_moe", ep=2, packed=True),
+            "gpt_oss": check_cp("gpt_oss", ep=2, sliding_window=3)}
+
+
+def test_cp2_with_experts_split_over_cp(ranks):
+    results = ranks(2).run(check_experts_over_cp, timeout=TIMEOUT_S)
+    assert all(len(r) == 2 for r in results), results
 
 
 def check_sinks_with(dim: str):

@@ -304,7 +304,7 @@ def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, schedule: str = "zb-h1",
+def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, schedule: str = "zb-h1",
              n_microbatches: int = 2, packed: bool = False, mode: str = "ring", layout: str = "zigzag",
              seq_len: int = SEQ, recompute: Optional[str] = None, sequence_parallel: bool = False, zero: int = 0,
              plan=None, **extra) -> str:
@@ -312,18 +312,19 @@ def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int 
     batch: the context-parallel model's loss (and, at pp=1, its logits, gathered over cp) equal
     the unwrapped model's on those rows, and after one SGD step through DistributedOptimizer
     (gradients summed over cp, averaged over dp) so do its gradients and values (the unwrapped
-    model's from the mean of the replicas' losses). ``plan``: parallelize's."""
+    model's from the mean of the replicas' losses). ``plan``: parallelize's; ``ep``: experts split
+    over ep of the dp x cp ranks."""
     with precision(extra.get("dtype", torch.float64)):
-        return _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode, layout, seq_len,
+        return _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len,
                          recompute, sequence_parallel, zero, plan, **extra)
 
 
-def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
+def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
               sequence_parallel, zero, plan, **extra) -> str:
     from torchpp.context_parallel import unshard_sequence
     from torchpp.parallel import DistributedOptimizer
 
-    state = torchpp.init_parallel(tp=tp, pp=pp, cp=cp, dp=dp)
+    state = torchpp.init_parallel(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep)
     model = tiny_model(model_type, **extra)
     if model_type in RANDOM_IN_TRAINING:  # a microbatch would draw other numbers than the whole batch
         model.eval()
@@ -350,7 +351,7 @@ def _check_cp(model_type, cp, tp, pp, dp, schedule, n_microbatches, packed, mode
     # ZeRO-3 gathers before each module's forward: it takes the model itself.
     optimizer = DistributedOptimizer(wrapped if zero == 3 else wrapped.named_parameters(), torch.optim.SGD, state,
                                      lr=LR, accumulations_per_step=n_microbatches if zero >= 2 else 0, zero=zero)
-    what = f"{model_type} cp={cp} tp={tp} pp={pp} dp={dp}{' ' + schedule if pp > 1 else ''} {mode} {layout}" + \
+    what = f"{model_type} cp={cp} tp={tp} pp={pp} dp={dp} ep={ep}{' ' + schedule if pp > 1 else ''} {mode} {layout}" + \
         (" packed" if packed else "")
     if pp == 1:
         out = wrapped(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
