@@ -10,7 +10,9 @@ DistributedOptimizer's reduction over the dp-cp group, and one SGD step
 x tp=2 and x pp=2) and Llama 4's chunked layers too. Bad inputs raise on every rank naming the
 value; what sharded attention cannot do (sparse indexed attention, compressed key/value entries)
 raises naming it. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
-short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2."""
+short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
+gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara) with each chunk's recurrence
+started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2."""
 import pytest
 import torch
 
@@ -151,6 +153,34 @@ def check_short_convolutions_at(dims: str):
 @pytest.mark.parametrize("dims", ["cp4", "cp2xtp2", "cp2xpp2"])
 def test_short_convolutions_at_cp4_and_with_tp(ranks, dims):
     results = ranks(4).run(check_short_convolutions_at, dims, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all(isinstance(r, str) for r in results), results
+
+
+def check_delta_rule():
+    """Gated delta-rule hybrids (three linear-attention layers, one attention layer): each chunk's
+    recurrence run from the state its earlier chunks leave, its short convolution with halos."""
+    return {"qwen3_5_text packed": check_cp("qwen3_5_text", packed=True),
+            "qwen3_next contiguous all-gather": check_cp("qwen3_next", mode="all-gather", layout="contiguous"),
+            "olmo_hybrid": check_cp("olmo_hybrid"),
+            "lara_mini (sliding layers too)": check_cp("lara_mini", sliding_window=3)}
+
+
+def test_cp2_gated_delta_rule_hybrids(ranks):
+    results = ranks(2).run(check_delta_rule, timeout=TIMEOUT_S)
+    assert all(len(r) == 4 for r in results), results
+
+
+def check_delta_rule_at(dims: str):
+    if dims == "cp4":  # eight chunks of 2 tokens: states composed over up to seven chunks, halos over two
+        return check_cp("qwen3_5_text", cp=4)
+    if dims == "cp2xtp2":
+        return check_cp("qwen3_5_text", tp=2)
+    return check_cp("qwen3_next", pp=2, packed=True)
+
+
+@pytest.mark.parametrize("dims", ["cp4", "cp2xtp2", "cp2xpp2"])
+def test_gated_delta_rule_at_cp4_and_with_tp_pp(ranks, dims):
+    results = ranks(4).run(check_delta_rule_at, dims, timeout=TIMEOUT_S)
     assert len(results) == 4 and all(isinstance(r, str) for r in results), results
 
 

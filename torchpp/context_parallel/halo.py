@@ -45,7 +45,7 @@ def chunk_owner(chunk: int, size: int, layout: str) -> Tuple[int, int]:
     return (chunk, 0) if chunk < size else (2 * size - 1 - chunk, 1)
 
 
-def _halos(cp: "ContextParallel", pieces: List[torch.Tensor], halo: int) -> List[torch.Tensor]:
+def halos_before(cp: "ContextParallel", pieces: List[torch.Tensor], halo: int) -> List[torch.Tensor]:
     """For each of this rank's pieces, the up to ``halo`` tokens before its chunk in the sequence."""
     size, n = cp.size, pieces[0].size(1)
     tail = min(halo, n)  # halo > n: whole chunks, several of them before each chunk
@@ -72,7 +72,7 @@ def _sharded_forward(forward, cp: "ContextParallel", halo: int, *args, **kwargs)
     n_pieces = len(chunk_indices(0, cp.size, cp.layout))
     pieces = list(hidden.chunk(n_pieces, dim=1))
     outs = []
-    for piece, before in zip(pieces, _halos(cp, pieces, halo)):
+    for piece, before in zip(pieces, halos_before(cp, pieces, halo)):
         out = forward(torch.cat([before, piece], dim=1), *rest, **kwargs)
         outs.append(out[:, before.size(1):])
     return torch.cat(outs, dim=1)

@@ -11,6 +11,7 @@ from typing import Dict, Optional
 
 from torch import nn
 
+from torchpp.context_parallel.delta_rule import delta_rule_convs, is_delta_rule_layer
 from torchpp.context_parallel.halo import halo_conv
 
 # Layer types whose masks transformers builds otherwise than by position and window.
@@ -31,7 +32,10 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
     """Refuses, before anything is changed, a model sharded attention cannot serve (``layers``:
     the path of its stack of layers, where a convolution over the sequence is refused)."""
     where = f"torchpp.parallelize: cp={size}: {type(model).__name__}"
-    if not getattr(type(model), "_supports_attention_backend", True):
+    delta_rule = any(is_delta_rule_layer(module) for module in model.modules())
+    # (Gated delta-rule hybrids run attention through transformers' functions and their other layers
+    # through torchpp's sharded rule; a layer doing neither raises at its first forward.)
+    if not getattr(type(model), "_supports_attention_backend", True) and not delta_rule:
         raise NotImplementedError(f"{where} does not run its attention through transformers' attention functions "
                                   f"(_supports_attention_backend=False: attention in its own code, such as Bloom's "
                                   f"ALiBi, or Mamba / linear-attention layers), so sharded attention cannot replace it")
@@ -45,6 +49,7 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
             raise ValueError(f"torchpp.parallelize: cp={size} needs attention_dropout=0 (the model's config has "
                              f"{dropout}): sharded attention has no dropout")
     haloed = {id(halo_conv(module)) for module in model.modules() if halo_conv(module) is not None}
+    haloed |= {id(conv) for conv in delta_rule_convs(model)}
     for name, module in model.named_modules():
         if layers is not None and name.startswith(f"{layers}.") and isinstance(module, nn.Conv1d) \
                 and module.kernel_size[0] > 1 and id(module) not in haloed:

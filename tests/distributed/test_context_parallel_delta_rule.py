@@ -1,0 +1,93 @@
+"""The gated delta rule over a sharded sequence (torchpp.context_parallel.delta_rule) on spawned
+gloo ranks, against transformers' own rule on the whole sequence in float32 (the rule computes in
+float32 whatever its inputs): each rank's output and the gradients of its query, key, value, decay
+and beta shards, at cp=2 and cp=4, both layouts, grouped value heads; the short convolution with
+halos likewise. Whole-model checks: test_context_parallel_models.py."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchpp.context_parallel.delta_rule import _active, _wrap_functions
+from torchpp.context_parallel.hf import ContextParallel
+
+BATCH, K_HEADS, V_HEADS, D_K, D_V = 2, 2, 4, 8, 6
+# float32 rounding: the chunks' states are composed in another order than the whole sequence's scan.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _modeling():
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    _wrap_functions(modeling_qwen3_5)  # calls through unless a sharded layer is running
+    return modeling_qwen3_5
+
+
+def _inputs(seq_len: int):
+    g = torch.Generator().manual_seed(11)
+    query = torch.randn(BATCH, seq_len, K_HEADS, D_K, generator=g)
+    key = torch.randn(BATCH, seq_len, K_HEADS, D_K, generator=g)
+    value = torch.randn(BATCH, seq_len, V_HEADS, D_V, generator=g)
+    decay = -torch.rand(BATCH, seq_len, V_HEADS, generator=g)  # log space, <= 0
+    beta = torch.rand(BATCH, seq_len, V_HEADS, generator=g)
+    grad = torch.randn(BATCH, seq_len, V_HEADS, D_V, generator=g)
+    return (query, key, value, decay, beta), grad
+
+
+def _close(mine, full, what):
+    assert torch.allclose(mine, full, rtol=RTOL, atol=ATOL), f"{what}: off by {(mine - full).abs().max().item()}"
+
+
+def check_rule(layout: str):
+    rule = _modeling().torch_chunk_gated_delta_rule
+    cp = ContextParallel(dist.group.WORLD, layout=layout)
+    inputs, grad = _inputs(seq_len=8 * cp.size)
+    full = [t.clone().requires_grad_() for t in inputs]
+    expected, _ = rule(*full, use_qk_l2norm_in_kernel=True)
+    expected_grads = torch.autograd.grad(expected, full, grad)
+    local = [cp.shard(t).requires_grad_() for t in inputs]
+    token = _active.set(cp)
+    try:
+        out, state = rule(*local, use_qk_l2norm_in_kernel=True)
+    finally:
+        _active.reset(token)
+    assert state is None
+    _close(out, cp.shard(expected.detach()), f"{layout} output")
+    for name, mine, whole in zip(("query", "key", "value", "decay", "beta"), torch.autograd.grad(out, local,
+                                                                                                cp.shard(grad)),
+                                 expected_grads):
+        _close(mine, cp.shard(whole), f"{layout} d{name}")
+    return True
+
+
+def check_conv(layout: str):
+    conv = _modeling().causal_conv1d_fn
+    cp = ContextParallel(dist.group.WORLD, layout=layout)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(BATCH, 6, 4 * cp.size, generator=g, dtype=torch.float64)  # [b, channels, s]
+    weight = torch.randn(6, 4, generator=g, dtype=torch.float64)  # kernel 4: halos reach over whole chunks of 2
+    full = x.clone().requires_grad_()
+    expected = conv(full, weight, None, activation="silu")
+    local = cp.shard(x, dim=2).requires_grad_()
+    token = _active.set(cp)
+    try:
+        out = conv(local, weight, None, activation="silu")
+    finally:
+        _active.reset(token)
+    grad = torch.randn(expected.shape, generator=g, dtype=torch.float64)
+    (full_grad,) = torch.autograd.grad(expected, full, grad)
+    (local_grad,) = torch.autograd.grad(out, local, cp.shard(grad, dim=2))
+    assert torch.allclose(out, cp.shard(expected.detach(), dim=2), rtol=1e-12, atol=1e-12)
+    # Each rank's input gradient: its own tokens' outputs plus the halos other ranks read, reduce-scattered.
+    assert torch.allclose(local_grad, cp.shard(full_grad, dim=2), rtol=1e-12, atol=1e-12)
+    return True
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_delta_rule_over_shards_equals_the_whole_sequence(ranks, cp, layout):
+    assert ranks(cp).run(check_rule, layout) == [True] * cp
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_short_convolution_with_halos_equals_the_whole_sequence(ranks, layout):
+    assert ranks(4).run(check_conv, layout) == [True] * 4
