@@ -1,8 +1,9 @@
 """The gated delta rule over a sharded sequence (torchpp.context_parallel.delta_rule) on spawned
 gloo ranks, against transformers' own rule on the whole sequence in float32 (the rule computes in
 float32 whatever its inputs): each rank's output and the gradients of its query, key, value, decay
-and beta shards, at cp=2 and cp=4, both layouts, grouped value heads; the short convolution with
-halos likewise. Whole-model checks: test_context_parallel_models.py."""
+and beta shards, at cp=2 and cp=4, both layouts; Qwen3.5's rule (grouped value heads, one decay
+per head) and Kimi's delta attention (one decay per key channel). The short convolution with halos
+likewise. Whole-model checks: test_context_parallel_models.py."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,12 +23,23 @@ def _modeling():
     return modeling_qwen3_5
 
 
-def _inputs(seq_len: int):
+def _rule(family: str):
+    if family == "qwen3_5":
+        return _modeling().torch_chunk_gated_delta_rule
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    _wrap_functions(modeling_kimi_linear, "chunk_kimi_delta_attention")
+    return modeling_kimi_linear.chunk_kimi_delta_attention
+
+
+def _inputs(seq_len: int, family: str = "qwen3_5"):
     g = torch.Generator().manual_seed(11)
-    query = torch.randn(BATCH, seq_len, K_HEADS, D_K, generator=g)
-    key = torch.randn(BATCH, seq_len, K_HEADS, D_K, generator=g)
+    k_heads = K_HEADS if family == "qwen3_5" else V_HEADS  # Kimi: as many key heads as value heads
+    query = torch.randn(BATCH, seq_len, k_heads, D_K, generator=g)
+    key = torch.randn(BATCH, seq_len, k_heads, D_K, generator=g)
     value = torch.randn(BATCH, seq_len, V_HEADS, D_V, generator=g)
-    decay = -torch.rand(BATCH, seq_len, V_HEADS, generator=g)  # log space, <= 0
+    per = () if family == "qwen3_5" else (D_K,)  # Kimi decays each key channel apart
+    decay = -torch.rand(BATCH, seq_len, V_HEADS, *per, generator=g)  # log space, <= 0
     beta = torch.rand(BATCH, seq_len, V_HEADS, generator=g)
     grad = torch.randn(BATCH, seq_len, V_HEADS, D_V, generator=g)
     return (query, key, value, decay, beta), grad
@@ -37,10 +49,10 @@ def _close(mine, full, what):
     assert torch.allclose(mine, full, rtol=RTOL, atol=ATOL), f"{what}: off by {(mine - full).abs().max().item()}"
 
 
-def check_rule(layout: str):
-    rule = _modeling().torch_chunk_gated_delta_rule
+def check_rule(layout: str, family: str):
+    rule = _rule(family)
     cp = ContextParallel(dist.group.WORLD, layout=layout)
-    inputs, grad = _inputs(seq_len=8 * cp.size)
+    inputs, grad = _inputs(8 * cp.size, family)
     full = [t.clone().requires_grad_() for t in inputs]
     expected, _ = rule(*full, use_qk_l2norm_in_kernel=True)
     expected_grads = torch.autograd.grad(expected, full, grad)
@@ -51,11 +63,11 @@ def check_rule(layout: str):
     finally:
         _active.reset(token)
     assert state is None
-    _close(out, cp.shard(expected.detach()), f"{layout} output")
+    _close(out, cp.shard(expected.detach()), f"{family} {layout} output")
     for name, mine, whole in zip(("query", "key", "value", "decay", "beta"), torch.autograd.grad(out, local,
                                                                                                 cp.shard(grad)),
                                  expected_grads):
-        _close(mine, cp.shard(whole), f"{layout} d{name}")
+        _close(mine, cp.shard(whole), f"{family} {layout} d{name}")
     return True
 
 
@@ -84,8 +96,9 @@ def check_conv(layout: str):
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_delta_rule_over_shards_equals_the_whole_sequence(ranks, cp, layout):
-    assert ranks(cp).run(check_rule, layout) == [True] * cp
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi"])
+def test_delta_rule_over_shards_equals_the_whole_sequence(ranks, cp, layout, family):
+    assert ranks(cp).run(check_rule, layout, family) == [True] * cp
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

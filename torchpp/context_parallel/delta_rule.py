@@ -1,4 +1,5 @@
-"""Gated delta-rule layers (Qwen3.5, Qwen3-Next and their kin) over a sharded sequence.
+"""Gated delta-rule layers (Qwen3.5, Qwen3-Next and their kin; Kimi's delta attention) over a
+sharded sequence.
 
 The layer's recurrent state S ([d_k, d_v] per head) evolves per token by a map that acts on each
 value column alone and is affine in S: over a chunk of the sequence, S_end = M S_start + B, and
@@ -9,9 +10,9 @@ value columns) with P and M (the identity's columns). The (B, M) of every chunk 
 states entering its chunks in sequence order, and adds P_t S_start: the result is the whole
 sequence's, to rounding. The short convolution before the rule runs with halos (``halo``).
 
-The model's functions are reached through its modeling module (``causal_conv1d_fn``,
-``torch_chunk_gated_delta_rule``): wrapped once there, they shard only inside a wrapped layer's
-forward (a context variable set by its hooks) and otherwise call through unchanged.
+The model's functions are reached through its modeling module (``causal_conv1d_fn`` and the
+chunked rule, ``RULES``): wrapped once there, they shard only inside a wrapped layer's forward (a
+context variable set by its hooks) and otherwise call through unchanged.
 """
 from __future__ import annotations
 
@@ -30,17 +31,25 @@ from torchpp.ops import gather_from_sp_region
 if TYPE_CHECKING:
     from torchpp.context_parallel.hf import ContextParallel
 
-FUNCTIONS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+# Layer classes by name suffix -> the chunked rule their modeling module calls. Kimi's delta attention
+# decays each key channel apart (a diagonal map on the key side): still one map per value column.
+RULES = {"GatedDeltaNet": "torch_chunk_gated_delta_rule", "DeltaAttention": "chunk_kimi_delta_attention"}
+CONV = "causal_conv1d_fn"
 # The cp of the delta-rule layer running now (None: outside one, the functions call through).
 _active: contextvars.ContextVar = contextvars.ContextVar("torchpp_cp_delta_rule", default=None)
 
 
-def is_delta_rule_layer(module: nn.Module) -> bool:
-    """A transformers gated delta-rule layer whose modeling module holds the functions we shard."""
-    if not type(module).__name__.endswith("GatedDeltaNet"):
-        return False
+def delta_rule_of(module: nn.Module) -> Optional[str]:
+    """The name of the chunked rule a transformers delta-rule layer calls, where its modeling module
+    holds it and the short convolution; else None."""
+    name = next((rule for suffix, rule in RULES.items() if type(module).__name__.endswith(suffix)), None)
     modeling = sys.modules.get(type(module).__module__)
-    return all(callable(getattr(modeling, name, None)) for name in FUNCTIONS)
+    found = name is not None and all(callable(getattr(modeling, f, None)) for f in (name, CONV))
+    return name if found else None
+
+
+def is_delta_rule_layer(module: nn.Module) -> bool:
+    return delta_rule_of(module) is not None
 
 
 def delta_rule_convs(model: nn.Module) -> List[nn.Conv1d]:
@@ -114,11 +123,11 @@ def _rule_over_shards(cp: "ContextParallel", rule, query, key, value, g, beta, *
     return torch.cat(results, dim=1)
 
 
-def _wrap_functions(modeling) -> None:
+def _wrap_functions(modeling, rule: str = "torch_chunk_gated_delta_rule") -> None:
     if getattr(modeling, "_torchpp_cp_delta_rule", False):
         return
-    modeling.causal_conv1d_fn = _sharded_conv(modeling.causal_conv1d_fn)
-    modeling.torch_chunk_gated_delta_rule = _sharded_rule(modeling.torch_chunk_gated_delta_rule)
+    setattr(modeling, CONV, _sharded_conv(getattr(modeling, CONV)))
+    setattr(modeling, rule, _sharded_rule(getattr(modeling, rule)))
     modeling._torchpp_cp_delta_rule = True
 
 
@@ -126,9 +135,10 @@ def apply_delta_rule(model: nn.Module, cp: "ContextParallel") -> int:
     """Shards each gated delta-rule layer of ``model`` over ``cp``; returns how many."""
     wrapped = 0
     for module in model.modules():
-        if not is_delta_rule_layer(module) or getattr(module, "_torchpp_delta_rule", False):
+        rule = delta_rule_of(module)
+        if rule is None or getattr(module, "_torchpp_delta_rule", False):
             continue
-        _wrap_functions(sys.modules[type(module).__module__])
+        _wrap_functions(sys.modules[type(module).__module__], rule)
         tokens = {}
 
         def enter(layer, args, tokens=tokens):
