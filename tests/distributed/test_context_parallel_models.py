@@ -11,7 +11,7 @@ x tp=2 and x pp=2) and Llama 4's chunked layers too. Bad inputs raise on every r
 value; what sharded attention cannot do (sparse indexed attention, compressed key/value entries)
 raises naming it. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
 short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
-gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear) with each chunk's recurrence
+gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
 started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2."""
 import pytest
 import torch
@@ -163,12 +163,13 @@ def check_delta_rule():
             "qwen3_next contiguous all-gather": check_cp("qwen3_next", mode="all-gather", layout="contiguous"),
             "olmo_hybrid": check_cp("olmo_hybrid"),
             "lara_mini (sliding layers too)": check_cp("lara_mini", sliding_window=3),
-            "kimi_linear (delta attention)": check_cp("kimi_linear", packed=True)}
+            "kimi_linear (delta attention)": check_cp("kimi_linear", packed=True),
+            "bailing_hybrid (delta attention)": check_cp("bailing_hybrid")}
 
 
 def test_cp2_gated_delta_rule_hybrids(ranks):
     results = ranks(2).run(check_delta_rule, timeout=TIMEOUT_S)
-    assert all(len(r) == 5 for r in results), results
+    assert all(len(r) == 6 for r in results), results
 
 
 def check_delta_rule_at(dims: str):
