@@ -14,7 +14,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from torchpp.context_parallel.delta_rule import _active, _wrap_functions
+from torchpp.context_parallel.chunk_states import active
+from torchpp.context_parallel.delta_rule import wrap_modeling
 from torchpp.context_parallel.hf import ContextParallel
 
 from timing import interleaved, median_spread  # bench/timing.py, next to this script
@@ -41,7 +42,7 @@ def main():
     torch.set_num_threads(1)
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    _wrap_functions(modeling_qwen3_5)
+    wrap_modeling(modeling_qwen3_5)
     rule = modeling_qwen3_5.torch_chunk_gated_delta_rule
     cp = ContextParallel(dist.group.WORLD)
     world, rank = cp.size, dist.get_rank()
@@ -53,11 +54,11 @@ def main():
         if name == "whole":
             rule(*whole, use_qk_l2norm_in_kernel=True)[0].backward(whole_grad)
             return
-        token = _active.set(cp)
+        token = active.set(cp)
         try:
             out, _ = rule(*local, use_qk_l2norm_in_kernel=True)
         finally:
-            _active.reset(token)
+            active.reset(token)
         out.backward(local_grad)
 
     variants = ("sharded", "whole")

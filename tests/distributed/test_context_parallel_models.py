@@ -12,7 +12,8 @@ value; what sharded attention cannot do (sparse indexed attention, compressed ke
 raises naming it. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
 short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
 gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
-started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2."""
+started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2;
+Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid, Zamba2)."""
 import pytest
 import torch
 
@@ -183,6 +184,35 @@ def check_delta_rule_at(dims: str):
 @pytest.mark.parametrize("dims", ["cp4", "cp2xtp2", "cp2xpp2"])
 def test_gated_delta_rule_at_cp4_and_with_tp_pp(ranks, dims):
     results = ranks(4).run(check_delta_rule_at, dims, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all(isinstance(r, str) for r in results), results
+
+
+def check_mamba2():
+    """Mamba-2 mixers, each chunk's scan started from the state the earlier chunks leave: Mamba-2
+    alone, Nemotron-H (Mamba, MoE, attention and MLP blocks), Bamba on packed rows, Falcon-H1 in the
+    other mode and layout, Granite 4 hybrid, Zamba2 (shared attention blocks)."""
+    return {"mamba2": check_cp("mamba2"),
+            "nemotron_h": check_cp("nemotron_h"),
+            "bamba packed": check_cp("bamba", packed=True),
+            "falcon_h1 contiguous all-gather": check_cp("falcon_h1", mode="all-gather", layout="contiguous"),
+            "granitemoehybrid": check_cp("granitemoehybrid"),
+            "zamba2": check_cp("zamba2", plan="auto")}
+
+
+def test_cp2_mamba2_hybrids(ranks):
+    results = ranks(2).run(check_mamba2, timeout=TIMEOUT_S)
+    assert all(len(r) == 6 for r in results), results
+
+
+def check_mamba2_at(dims: str):
+    if dims == "cp4":  # eight chunks of 2 tokens
+        return check_cp("mamba2", cp=4)
+    return check_cp("nemotron_h", pp=2, plan="auto")
+
+
+@pytest.mark.parametrize("dims", ["cp4", "cp2xpp2"])
+def test_mamba2_at_cp4_and_with_pp(ranks, dims):
+    results = ranks(4).run(check_mamba2_at, dims, timeout=TIMEOUT_S)
     assert len(results) == 4 and all(isinstance(r, str) for r in results), results
 
 

@@ -68,3 +68,15 @@ def _layers_without_attention():
 
 def test_layers_mixing_the_sequence_otherwise_and_token_derived_positions_are_refused(ranks):
     assert ranks(2).run(_layers_without_attention, timeout=TIMEOUT_S) == ["refused"] * 2
+
+
+def _refused_at_cp_and_pp():
+    # Stage 1 holds no convolution: the refusal is decided on the whole model, before the pipeline cut,
+    # so every rank raises it (stage 0 alone raising left the others in the next collective).
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.temporal_block\.conv_1d convolves"):
+        check_cp("recurrent_gemma", pp=2, plan="auto")
+    return "refused"
+
+
+def test_a_refusal_at_cp2_x_pp2_is_raised_on_every_rank(ranks):
+    assert ranks(4).run(_refused_at_cp_and_pp, timeout=TIMEOUT_S) == ["refused"] * 4

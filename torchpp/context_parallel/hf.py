@@ -30,6 +30,7 @@ from torchpp import recompute
 from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
 from torchpp.context_parallel.delta_rule import apply_delta_rule
 from torchpp.context_parallel.halo import apply_halos
+from torchpp.context_parallel.mamba import apply_mamba2
 from torchpp.context_parallel.hf_support import AttentionCalls, attention_configs, check_call, check_model, layer_type
 
 IGNORE_INDEX = -100
@@ -209,6 +210,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
         cp.calls.watch(model.get_submodule(layers), layers)
     apply_halos(model, cp)
     apply_delta_rule(model, cp)
+    apply_mamba2(model, cp)
     record = _record_positions(cp)
     for module in model.modules():  # the attention function gets its module: each one knows the group
         module.torchpp_cp = cp

@@ -7,11 +7,13 @@ Under cp transformers builds no mask, so anything a model expresses only through
 own attention code would otherwise be silently lost."""
 from __future__ import annotations
 
+import sys
 from typing import Dict, Optional
 
 from torch import nn
 
-from torchpp.context_parallel.delta_rule import delta_rule_convs, is_delta_rule_layer
+from torchpp.context_parallel.delta_rule import defines_delta_rule, delta_rule_convs
+from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
 from torchpp.context_parallel.halo import halo_conv
 
 # Layer types whose masks transformers builds otherwise than by position and window.
@@ -32,10 +34,12 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
     """Refuses, before anything is changed, a model sharded attention cannot serve (``layers``:
     the path of its stack of layers, where a convolution over the sequence is refused)."""
     where = f"torchpp.parallelize: cp={size}: {type(model).__name__}"
-    delta_rule = any(is_delta_rule_layer(module) for module in model.modules())
-    # (Gated delta-rule hybrids run attention through transformers' functions and their other layers
-    # through torchpp's sharded rule; a layer doing neither raises at its first forward.)
-    if not getattr(type(model), "_supports_attention_backend", True) and not delta_rule:
+    modeling = sys.modules.get(type(model).__module__)
+    recurrent = defines_delta_rule(modeling) or defines_mamba2(modeling)
+    # (Delta-rule and Mamba-2 hybrids run attention through transformers' functions and their other
+    # layers through torchpp's sharded recurrences; a layer doing neither raises at its first forward.
+    # Decided by the model's modeling module: every pipeline rank decides alike, whichever layers it holds.)
+    if not getattr(type(model), "_supports_attention_backend", True) and not recurrent:
         raise NotImplementedError(f"{where} does not run its attention through transformers' attention functions "
                                   f"(_supports_attention_backend=False: attention in its own code, such as Bloom's "
                                   f"ALiBi, or Mamba / linear-attention layers), so sharded attention cannot replace it")
@@ -49,7 +53,7 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
             raise ValueError(f"torchpp.parallelize: cp={size} needs attention_dropout=0 (the model's config has "
                              f"{dropout}): sharded attention has no dropout")
     haloed = {id(halo_conv(module)) for module in model.modules() if halo_conv(module) is not None}
-    haloed |= {id(conv) for conv in delta_rule_convs(model)}
+    haloed |= {id(conv) for conv in delta_rule_convs(model) + mamba2_convs(model)}
     for name, module in model.named_modules():
         if layers is not None and name.startswith(f"{layers}.") and isinstance(module, nn.Conv1d) \
                 and module.kernel_size[0] > 1 and id(module) not in haloed:
@@ -91,17 +95,24 @@ def check_call(module: nn.Module, query, key, attention_mask, dropout, sliding_w
                                   f"window of one int over causal attention only")
 
 
+# Layer kinds (a config's layer_types entry, or a block's block_type) that mix no tokens: an MLP or
+# MoE block alone (Nemotron-H's), which a shard runs as the whole sequence would.
+TOKENWISE_LAYERS = ("mlp", "moe")
+
+
 class AttentionCalls:
-    """Counts a model's sharded sequence-mixing calls (attention, short convolutions with halos),
-    so that each layer of its stack can be checked to have made one."""
+    """Counts a model's sharded sequence-mixing calls (attention, short convolutions with halos,
+    delta-rule and Mamba-2 scans), so that each layer of its stack can be checked to have made one."""
 
     def __init__(self):
         self.count = 0
 
     def watch(self, layers: nn.ModuleList, path: str) -> None:
         for index, layer in enumerate(layers):
+            kind = getattr(layer, "block_type", None) or layer_type(layer)
             # (Another pipeline rank's layers are placeholders here; the recompute pass applies cp again.)
-            if not getattr(layer, "placeholder", False) and not getattr(layer, "_torchpp_cp_watched", False):
+            if not getattr(layer, "placeholder", False) and not getattr(layer, "_torchpp_cp_watched", False) \
+                    and kind not in TOKENWISE_LAYERS:
                 layer.register_forward_pre_hook(self._before)
                 layer.register_forward_hook(self._after(f"{path}.{index}"))
                 layer._torchpp_cp_watched = True

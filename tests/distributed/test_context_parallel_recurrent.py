@@ -1,14 +1,17 @@
-"""The gated delta rule over a sharded sequence (torchpp.context_parallel.delta_rule) on spawned
-gloo ranks, against transformers' own rule on the whole sequence in float32 (the rule computes in
-float32 whatever its inputs): each rank's output and the gradients of its query, key, value, decay
-and beta shards, at cp=2 and cp=4, both layouts; Qwen3.5's rule (grouped value heads, one decay
-per head) and Kimi's delta attention (one decay per key channel). The short convolution with halos
-likewise. Whole-model checks: test_context_parallel_models.py."""
+"""Linear recurrences over a sharded sequence (torchpp.context_parallel.chunk_states) on spawned
+gloo ranks, against transformers' own functions on the whole sequence in float32 (they compute in
+float32 whatever their inputs): the gated delta rule (``delta_rule``: Qwen3.5's, grouped value
+heads and one decay per head; Kimi's delta attention, one decay per key channel) and Mamba-2's
+chunked scan (``mamba``: grouped B/C, the D skip term); each rank's output and the gradients of its
+input shards, at cp=2 and cp=4, both layouts. The short convolution with halos likewise.
+Whole-model checks: test_context_parallel_models.py."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from torchpp.context_parallel.delta_rule import _active, _wrap_functions
+from torchpp.context_parallel.chunk_states import active
+from torchpp.context_parallel.delta_rule import wrap_modeling
+from torchpp.context_parallel.mamba import wrap_modeling as wrap_mamba2_modeling
 from torchpp.context_parallel.hf import ContextParallel
 
 BATCH, K_HEADS, V_HEADS, D_K, D_V = 2, 2, 4, 8, 6
@@ -19,7 +22,7 @@ RTOL, ATOL = 1e-5, 1e-6
 def _modeling():
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    _wrap_functions(modeling_qwen3_5)  # calls through unless a sharded layer is running
+    wrap_modeling(modeling_qwen3_5)  # calls through unless a sharded layer is running
     return modeling_qwen3_5
 
 
@@ -28,7 +31,7 @@ def _rule(family: str):
         return _modeling().torch_chunk_gated_delta_rule
     from transformers.models.kimi_linear import modeling_kimi_linear
 
-    _wrap_functions(modeling_kimi_linear, "chunk_kimi_delta_attention")
+    wrap_modeling(modeling_kimi_linear, "chunk_kimi_delta_attention")
     return modeling_kimi_linear.chunk_kimi_delta_attention
 
 
@@ -57,11 +60,11 @@ def check_rule(layout: str, family: str):
     expected, _ = rule(*full, use_qk_l2norm_in_kernel=True)
     expected_grads = torch.autograd.grad(expected, full, grad)
     local = [cp.shard(t).requires_grad_() for t in inputs]
-    token = _active.set(cp)
+    token = active.set(cp)
     try:
         out, state = rule(*local, use_qk_l2norm_in_kernel=True)
     finally:
-        _active.reset(token)
+        active.reset(token)
     assert state is None
     _close(out, cp.shard(expected.detach()), f"{family} {layout} output")
     for name, mine, whole in zip(("query", "key", "value", "decay", "beta"), torch.autograd.grad(out, local,
@@ -80,11 +83,11 @@ def check_conv(layout: str):
     full = x.clone().requires_grad_()
     expected = conv(full, weight, None, activation="silu")
     local = cp.shard(x, dim=2).requires_grad_()
-    token = _active.set(cp)
+    token = active.set(cp)
     try:
         out = conv(local, weight, None, activation="silu")
     finally:
-        _active.reset(token)
+        active.reset(token)
     grad = torch.randn(expected.shape, generator=g, dtype=torch.float64)
     (full_grad,) = torch.autograd.grad(expected, full, grad)
     (local_grad,) = torch.autograd.grad(out, local, cp.shard(grad, dim=2))
@@ -99,6 +102,43 @@ def check_conv(layout: str):
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi"])
 def test_delta_rule_over_shards_equals_the_whole_sequence(ranks, cp, layout, family):
     assert ranks(cp).run(check_rule, layout, family) == [True] * cp
+
+
+def check_mamba2_scan(layout: str):
+    from transformers.models.mamba2 import modeling_mamba2
+
+    wrap_mamba2_modeling(modeling_mamba2)  # calls through unless a sharded layer is running
+    scan = modeling_mamba2.mamba2_chunk_scan
+    cp = ContextParallel(dist.group.WORLD, layout=layout)
+    seq, heads, head_dim, groups, d_state = 8 * cp.size, 4, 6, 2, 8
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(BATCH, seq, heads, head_dim, generator=g)
+    dt = torch.randn(BATCH, seq, heads, generator=g)
+    b, c = (torch.randn(BATCH, seq, groups, d_state, generator=g) for _ in range(2))
+    a = -torch.rand(heads, generator=g) - 0.5
+    d, dt_bias = torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    grad = torch.randn(BATCH, seq, heads, head_dim, generator=g)
+    extra = dict(D=d, dt_bias=dt_bias, dt_softplus=True)
+    full = [t.clone().requires_grad_() for t in (x, dt, b, c)]
+    expected = scan(full[0], full[1], a, full[2], full[3], 4, **extra)  # chunks of 4: several per shard at cp=2
+    expected_grads = torch.autograd.grad(expected, full, grad)
+    local = [cp.shard(t).requires_grad_() for t in (x, dt, b, c)]
+    token = active.set(cp)
+    try:
+        out = scan(local[0], local[1], a, local[2], local[3], 4, **extra)
+    finally:
+        active.reset(token)
+    _close(out, cp.shard(expected.detach()), f"mamba2 {layout} output")
+    for name, mine, whole in zip(("x", "dt", "B", "C"), torch.autograd.grad(out, local, cp.shard(grad)),
+                                 expected_grads):
+        _close(mine, cp.shard(whole), f"mamba2 {layout} d{name}")
+    return True
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_mamba2_scan_over_shards_equals_the_whole_sequence(ranks, cp, layout):
+    assert ranks(cp).run(check_mamba2_scan, layout) == [True] * cp
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
