@@ -135,6 +135,30 @@ def check_mamba2_scan(layout: str):
     return True
 
 
+def check_packed_offsets_refused():
+    """Packed sequences described by offsets into the whole sequence (flash-style cu_seqlens, Mamba's
+    seq_idx) would be misread by a chunk's run: refused, naming them."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    wrap_mamba2_modeling(modeling_mamba2)
+    cp = ContextParallel(dist.group.WORLD)
+    inputs, _ = _inputs(8 * cp.size)
+    local = [cp.shard(t) for t in inputs]
+    token = active.set(cp)
+    try:
+        with pytest.raises(NotImplementedError, match="a gated delta-rule layer was given cu_seqlens"):
+            _rule("qwen3_5")(*local, cu_seqlens=torch.tensor([0, 5, 16]))
+        with pytest.raises(NotImplementedError, match="a short convolution was given seq_idx"):
+            modeling_mamba2.causal_conv1d_fn(torch.zeros(1, 2, 8), torch.zeros(2, 4), seq_idx=torch.zeros(1, 8))
+    finally:
+        active.reset(token)
+    return True
+
+
+def test_packed_offsets_are_refused(ranks):
+    assert ranks(2).run(check_packed_offsets_refused) == [True, True]
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_mamba2_scan_over_shards_equals_the_whole_sequence(ranks, cp, layout):

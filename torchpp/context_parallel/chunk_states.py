@@ -36,6 +36,19 @@ CONV = "causal_conv1d_fn"
 active: contextvars.ContextVar = contextvars.ContextVar("torchpp_cp_recurrence", default=None)
 
 
+# Keywords that describe packed sequences by offsets into the whole sequence (flash-style kernels'):
+# a chunk's run cannot use them, and ignoring them would mix the packed sequences.
+PACKED_KEYWORDS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def check_not_packed(kwargs, what: str) -> None:
+    given = sorted(name for name in PACKED_KEYWORDS if kwargs.get(name) is not None)
+    if given:
+        raise NotImplementedError(f"torchpp context parallelism: {what} was given {', '.join(given)} (packed sequences "
+                                  f"by offsets into the whole sequence), which a shard of the sequence cannot use; "
+                                  f"pack by position ids instead")
+
+
 def pieces_of(cp: "ContextParallel") -> int:
     return len(chunk_indices(0, cp.size, cp.layout))
 
@@ -72,6 +85,7 @@ def sharded_conv(original: Callable) -> Callable:
         cp = active.get()
         if cp is None:
             return original(hidden_states, weight, bias, *args, **kwargs)
+        check_not_packed(kwargs, "a short convolution")
         pieces = list(hidden_states.transpose(1, 2).chunk(pieces_of(cp), dim=1))  # [b, n, channels] each
         outs = []
         for piece, before in zip(pieces, halos_before(cp, pieces, weight.shape[-1] - 1)):

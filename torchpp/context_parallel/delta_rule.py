@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, List, Optional
 import torch
 from torch import nn
 
-from torchpp.context_parallel.chunk_states import (CONV, active, compose, pieces_of, sharded_conv, track_layers,
-                                                   widened_initial, wrap_function)
+from torchpp.context_parallel.chunk_states import (CONV, active, check_not_packed, compose, pieces_of, sharded_conv,
+                                                   track_layers, widened_initial, wrap_function)
 
 if TYPE_CHECKING:
     from torchpp.context_parallel.hf import ContextParallel
@@ -59,6 +59,7 @@ def _sharded_rule(original):
         if cp is None:
             return original(query, key, value, g, beta, *args, initial_state=initial_state,
                             output_final_state=output_final_state, **kwargs)
+        check_not_packed(kwargs, "a gated delta-rule layer")
         if initial_state is not None or output_final_state:
             raise NotImplementedError("torchpp context parallelism: a gated delta-rule layer given or asked for a "
                                       "recurrent state (a cache): sharded layers keep none (use_cache=False)")

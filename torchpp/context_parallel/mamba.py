@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, List
 import torch
 from torch import nn
 
-from torchpp.context_parallel.chunk_states import (CONV, active, compose, pieces_of, sharded_conv, track_layers,
-                                                   widened_initial, wrap_function)
+from torchpp.context_parallel.chunk_states import (CONV, active, check_not_packed, compose, pieces_of, sharded_conv,
+                                                   track_layers, widened_initial, wrap_function)
 
 if TYPE_CHECKING:
     from torchpp.context_parallel.hf import ContextParallel
@@ -53,6 +53,7 @@ def _sharded_scan(original):
         if cp is None:
             return original(hidden_states, dt, A, B, C, chunk_size, *args, initial_states=initial_states,
                             return_final_states=return_final_states, z=z, **kwargs)
+        check_not_packed(kwargs, "a Mamba-2 scan")
         if initial_states is not None or return_final_states or z is not None:
             raise NotImplementedError("torchpp context parallelism: a Mamba-2 scan given or asked for a recurrent "
                                       "state (a cache), or gated inside the scan: sharded layers keep no state and "
