@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from torchpp.context_parallel import chunk_indices
-from torchpp.context_parallel.halo import chunk_owner, halos_before
+from torchpp.context_parallel.halo import chunk_owner, run_with_halos
 from torchpp.ops import gather_from_sp_region
 
 if TYPE_CHECKING:
@@ -87,11 +87,9 @@ def sharded_conv(original: Callable) -> Callable:
             return original(hidden_states, weight, bias, *args, **kwargs)
         check_not_packed(kwargs, "a short convolution")
         pieces = list(hidden_states.transpose(1, 2).chunk(pieces_of(cp), dim=1))  # [b, n, channels] each
-        outs = []
-        for piece, before in zip(pieces, halos_before(cp, pieces, weight.shape[-1] - 1)):
-            out = original(torch.cat([before, piece], dim=1).transpose(1, 2), weight, bias, *args, **kwargs)
-            outs.append(out[..., before.size(1):])
-        return torch.cat(outs, dim=-1)
+        return run_with_halos(cp, pieces, weight.shape[-1] - 1,
+                              lambda extended: original(extended.transpose(1, 2), weight, bias, *args, **kwargs),
+                              out_dim=-1)
     return conv
 
 

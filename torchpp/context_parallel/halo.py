@@ -65,17 +65,24 @@ def halos_before(cp: "ContextParallel", pieces: List[torch.Tensor], halo: int) -
     return halos
 
 
+def run_with_halos(cp: "ContextParallel", pieces: List[torch.Tensor], halo: int, run, out_dim: int) -> torch.Tensor:
+    """``run`` on each piece ([b, n, ...]) preceded by its halo, the halo's outputs dropped along
+    ``out_dim``; the pieces' outputs joined in shard order."""
+    outs = []
+    for piece, before in zip(pieces, halos_before(cp, pieces, halo)):
+        out = run(torch.cat([before, piece], dim=1))
+        kept = before.size(1)
+        outs.append(out.narrow(out_dim, kept, out.size(out_dim) - kept))
+    return torch.cat(outs, dim=out_dim)
+
+
 def _sharded_forward(forward, cp: "ContextParallel", halo: int, *args, **kwargs):
     hidden = args[0] if args else kwargs.pop("hidden_states")
     rest = args[1:]
     cp.calls.count += 1  # the layer mixes its sequence through sharded code
     n_pieces = len(chunk_indices(0, cp.size, cp.layout))
     pieces = list(hidden.chunk(n_pieces, dim=1))
-    outs = []
-    for piece, before in zip(pieces, halos_before(cp, pieces, halo)):
-        out = forward(torch.cat([before, piece], dim=1), *rest, **kwargs)
-        outs.append(out[:, before.size(1):])
-    return torch.cat(outs, dim=1)
+    return run_with_halos(cp, pieces, halo, lambda extended: forward(extended, *rest, **kwargs), out_dim=1)
 
 
 def apply_halos(model: nn.Module, cp: "ContextParallel") -> int:
