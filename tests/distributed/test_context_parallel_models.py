@@ -216,6 +216,40 @@ def test_mamba2_at_cp4_and_with_pp(ranks, dims):
     assert len(results) == 4 and all(isinstance(r, str) for r in results), results
 
 
+def check_elementwise_recurrences():
+    """Mamba-1 mixers (selective scans) and Griffin's RG-LRU, each chunk continued from the state the
+    earlier chunks leave: Mamba, Falcon-Mamba (norms on B, C and dt) in the other mode and layout,
+    Jamba (Mamba, attention and MoE layers) on packed rows, RecurrentGemma (recurrent blocks with a
+    short convolution, local attention) alone and on packed rows (its state reset where a sequence
+    starts). RecurrentGemma's scan accumulates in float32 whatever the model's dtype: a float32 model,
+    compared at float32's tolerance."""
+    return {"mamba": check_cp("mamba"),
+            "falcon_mamba contiguous all-gather": check_cp("falcon_mamba", mode="all-gather", layout="contiguous"),
+            "jamba packed": check_cp("jamba", packed=True),
+            "recurrent_gemma": check_cp("recurrent_gemma", plan="auto", dtype=torch.float32),
+            "recurrent_gemma packed": check_cp("recurrent_gemma", plan="auto", dtype=torch.float32, packed=True)}
+
+
+def test_cp2_mamba1_and_griffin_models(ranks):
+    results = ranks(2).run(check_elementwise_recurrences, timeout=TIMEOUT_S)
+    assert all(len(r) == 5 for r in results), results
+
+
+def check_elementwise_recurrences_at(dims: str):
+    griffin = dict(plan="auto", dtype=torch.float32)
+    if dims == "cp4":  # eight chunks of 2 tokens
+        return [check_cp("mamba", cp=4), check_cp("recurrent_gemma", cp=4, **griffin)]
+    if dims == "cp2xtp2":  # each tensor-parallel rank scans its own channels
+        return [check_cp("mamba", tp=2), check_cp("recurrent_gemma", tp=2, **griffin)]
+    return [check_cp("jamba", pp=2, schedule="1f1b", plan="auto")]
+
+
+@pytest.mark.parametrize("dims", ["cp4", "cp2xtp2", "cp2xpp2"])
+def test_mamba1_and_griffin_at_cp4_and_with_tp_pp(ranks, dims):
+    results = ranks(4).run(check_elementwise_recurrences_at, dims, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all("grads on this rank" in r for done in results for r in done), results
+
+
 def check_experts_over_cp():
     """Expert parallelism over the cp ranks (ep=2 inside dp x cp = 1 x 2): each rank dispatches its
     shard's tokens to both ranks' experts."""

@@ -2,7 +2,8 @@
 gloo ranks, against transformers' own functions on the whole sequence in float32 (they compute in
 float32 whatever their inputs): the gated delta rule (``delta_rule``: Qwen3.5's, grouped value
 heads and one decay per head; Kimi's delta attention, one decay per key channel) and Mamba-2's
-chunked scan (``mamba``: grouped B/C, the D skip term); each rank's output and the gradients of its
+chunked scan (``mamba``: grouped B/C, the D skip term) and Mamba-1's selective scan
+(``selective_scan``: one decay per channel and state entry, the skip term and the gate); each rank's output and the gradients of its
 input shards, at cp=2 and cp=4, both layouts. The short convolution with halos likewise.
 Whole-model checks: test_context_parallel_models.py."""
 import pytest
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torchpp.context_parallel.chunk_states import active
 from torchpp.context_parallel.delta_rule import wrap_modeling
 from torchpp.context_parallel.mamba import wrap_modeling as wrap_mamba2_modeling
+from torchpp.context_parallel.selective_scan import wrap_modeling as wrap_mamba1_modeling
 from torchpp.context_parallel.hf import ContextParallel
 
 BATCH, K_HEADS, V_HEADS, D_K, D_V = 2, 2, 4, 8, 6
@@ -135,6 +137,46 @@ def check_mamba2_scan(layout: str):
     return True
 
 
+def _mamba1():
+    from transformers.models.mamba import modeling_mamba
+
+    wrap_mamba1_modeling(modeling_mamba)  # calls through unless a sharded layer is running
+    return modeling_mamba
+
+
+def check_selective_scan(layout: str):
+    scan = _mamba1().mamba_selective_scan
+    cp = ContextParallel(dist.group.WORLD, layout=layout)
+    seq, channels, d_state = 6 * cp.size, 5, 4
+    g = torch.Generator().manual_seed(7)
+    x, dt, z = (torch.randn(BATCH, channels, seq, generator=g) for _ in range(3))
+    b, c = (torch.randn(BATCH, d_state, seq, generator=g) for _ in range(2))
+    a = -torch.rand(channels, d_state, generator=g) - 0.1
+    d, bias = torch.randn(channels, generator=g), torch.randn(channels, generator=g)
+    grad = torch.randn(BATCH, channels, seq, generator=g)
+    sequence, parameters = (x, dt, b, c, z), (a, d, bias)
+    full, full_params = ([t.clone().requires_grad_() for t in ts] for ts in (sequence, parameters))
+    expected = scan(*full[:2], full_params[0], *full[2:4], D=full_params[1], z=full[4], delta_bias=full_params[2],
+                    delta_softplus=True)
+    expected_grads = torch.autograd.grad(expected, full + full_params, grad)
+    local = [cp.shard(t, dim=2).requires_grad_() for t in sequence]
+    params = [t.clone().requires_grad_() for t in parameters]
+    token = active.set(cp)
+    try:
+        out = scan(*local[:2], params[0], *local[2:4], D=params[1], z=local[4], delta_bias=params[2],
+                   delta_softplus=True)
+    finally:
+        active.reset(token)
+    _close(out, cp.shard(expected.detach(), dim=2), f"selective scan {layout} output")
+    grads = torch.autograd.grad(out, local + params, cp.shard(grad, dim=2))
+    for name, mine, whole in zip(("x", "dt", "B", "C", "z"), grads, expected_grads):
+        _close(mine, cp.shard(whole, dim=2), f"selective scan {layout} d{name}")
+    for name, mine, whole in zip(("A", "D", "delta_bias"), grads[5:], expected_grads[5:]):
+        dist.all_reduce(mine)  # each rank holds its tokens' share of a parameter's gradient
+        _close(mine, whole, f"selective scan {layout} d{name}")
+    return True
+
+
 def check_packed_offsets_refused():
     """Packed sequences described by offsets into the whole sequence (flash-style cu_seqlens, Mamba's
     seq_idx) would be misread by a chunk's run: refused, naming them."""
@@ -150,6 +192,9 @@ def check_packed_offsets_refused():
             _rule("qwen3_5")(*local, cu_seqlens=torch.tensor([0, 5, 16]))
         with pytest.raises(NotImplementedError, match="a short convolution was given seq_idx"):
             modeling_mamba2.causal_conv1d_fn(torch.zeros(1, 2, 8), torch.zeros(2, 4), seq_idx=torch.zeros(1, 8))
+        with pytest.raises(NotImplementedError, match="a selective scan asked for its last state"):
+            _mamba1().mamba_selective_scan(*(torch.zeros(1, 2, 8),) * 2, torch.zeros(2, 3),
+                                           *(torch.zeros(1, 3, 8),) * 2, return_last_state=True)
     finally:
         active.reset(token)
     return True
@@ -163,6 +208,12 @@ def test_packed_offsets_are_refused(ranks):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_mamba2_scan_over_shards_equals_the_whole_sequence(ranks, cp, layout):
     assert ranks(cp).run(check_mamba2_scan, layout) == [True] * cp
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_selective_scan_over_shards_equals_the_whole_sequence(ranks, cp, layout):
+    assert ranks(cp).run(check_selective_scan, layout) == [True] * cp
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -13,14 +13,19 @@
   convolutions, RecurrentGemma's recurrence) ran on each rank's shard alone (off by 0.06, 0.0008,
   0.16): a layer of the stack that makes no attention call now raises at its first forward, naming
   it, and a convolution over the sequence inside a layer is refused when the model is wrapped.
-  LFM2's short convolutions have since been sharded (``torchpp.context_parallel.halo``: each chunk
-  run with the tokens before it from their ranks; tests/distributed/test_context_parallel_models.py).
+  LFM2's short convolutions and RecurrentGemma's recurrent blocks have since been sharded
+  (``torchpp.context_parallel.halo``: each chunk run with the tokens before it from their ranks;
+  ``rg_lru``: the recurrence's state carried across chunks; tests/distributed/test_context_parallel_models.py).
 - RoBERTa-style embeddings count positions from padding_idx + 1, derived from the tokens; the
   global positions sharding gives them were 2 off (camembert, roberta, xlm-roberta, xmod: off by
   0.4-0.6). They are now refused.
 - Zaya's attention convolves its queries and keys over the sequence before attending: the
   convolution read zeros across each shard's edge (off by 0.04). A convolution over the sequence
-  inside a layer is now refused."""
+  inside a layer is now refused.
+
+And what hung: a CP refusal raised only on the pipeline stage holding the offending layer (the others
+went on into the next collective), and tied embeddings at cp x pp (the two end stages' group left cp
+out, so their shape check's collective differed in groups and waited forever)."""
 import pytest
 
 import torchpp
@@ -56,9 +61,6 @@ def _layers_without_attention():
     with pytest.raises(NotImplementedError, match=r"layer model\.layers\.1 \(MiniMaxDecoderLayer\) ran without calling "
                                                   r"attention"):
         check_cp("minimax")
-    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.temporal_block\.conv_1d convolves over the "
-                                                  r"sequence \(kernel 4\)"):
-        check_cp("recurrent_gemma", plan="auto")
     with pytest.raises(NotImplementedError, match=r"position_embeddings counts positions from padding_idx \+ 1 = 2"):
         check_cp("roberta", plan="auto")
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.[\w.]+ convolves over the sequence"):
@@ -71,12 +73,22 @@ def test_layers_mixing_the_sequence_otherwise_and_token_derived_positions_are_re
 
 
 def _refused_at_cp_and_pp():
-    # Stage 1 holds no convolution: the refusal is decided on the whole model, before the pipeline cut,
-    # so every rank raises it (stage 0 alone raising left the others in the next collective).
-    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.temporal_block\.conv_1d convolves"):
-        check_cp("recurrent_gemma", pp=2, plan="auto")
+    # Stage 1 holds no position embeddings: the refusal is decided on the whole model, before the pipeline
+    # cut, so every rank raises it (stage 0 alone raising left the others in the next collective).
+    with pytest.raises(NotImplementedError, match=r"position_embeddings counts positions from padding_idx \+ 1"):
+        check_cp("roberta", pp=2, plan="auto")
     return "refused"
 
 
 def test_a_refusal_at_cp2_x_pp2_is_raised_on_every_rank(ranks):
     assert ranks(4).run(_refused_at_cp_and_pp, timeout=TIMEOUT_S) == ["refused"] * 4
+
+
+def _tied_embeddings_at_cp_and_pp():
+    # Gemma ties its output head to its embedding: the end stages' group spans dp x cp x tp.
+    return check_cp("gemma", pp=2, schedule="1f1b")
+
+
+def test_tied_embeddings_at_cp2_x_pp2_train_as_unsharded(ranks):
+    done = ranks(4).run(_tied_embeddings_at_cp_and_pp, timeout=TIMEOUT_S)
+    assert all("grads on this rank" in d for d in done), done

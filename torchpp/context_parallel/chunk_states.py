@@ -1,5 +1,7 @@
-"""Linear recurrences over a sharded sequence: what the delta rule (``delta_rule``) and Mamba-2's
-state-space scan (``mamba``) share.
+"""Linear recurrences over a sharded sequence: what the delta rule (``delta_rule``), Mamba-2's
+state-space scan (``mamba``), Mamba-1's selective scan (``selective_scan``) and the RG-LRU
+(``rg_lru``) share. The last two are elementwise in their state, so their chunk maps are diagonal
+(``diagonal_states``); the first two are described here.
 
 Both layers keep a state S ([d_k, d_v] per head, written key-major) that each token updates by a
 map acting on each value column alone and affine in S: over a chunk of the sequence S_end =
@@ -59,20 +61,41 @@ def widened_initial(batch: int, heads: int, d_k: int, d_v: int, dtype: torch.dty
     return torch.cat([identity.new_zeros(batch, heads, d_k, d_v), identity], dim=-1)
 
 
+def entering_states(cp: "ContextParallel", maps: List[torch.Tensor], then: Callable, zero: Callable) -> List[torch.Tensor]:
+    """The state entering each of this rank's chunks, from its chunks' maps (one per piece in shard
+    order, all alike in shape): all-gathered (the backward reduce-scatters), then composed from the
+    sequence's start in sequence order, ``then(map, state)`` applying a chunk's map to the state
+    before it and ``zero(map-shaped zeros)`` the state entering the first chunk."""
+    n_pieces = len(maps)
+    every = gather_from_sp_region(torch.stack(maps, dim=1), cp.group, dim=1)  # rank-major chunk maps
+    states = []
+    for chunk in chunk_indices(cp.group.rank(), cp.size, cp.layout):
+        # An empty sum for the first chunk keeps the gather in every rank's graph: every rank then
+        # joins its reduce-scatter in backward.
+        state = zero(every.narrow(1, 0, 0).sum(1))
+        for earlier in range(chunk):
+            rank, piece = chunk_owner(earlier, cp.size, cp.layout)
+            state = then(every[:, rank * n_pieces + piece], state)
+        states.append(state)
+    return states
+
+
+def diagonal_states(cp: "ContextParallel", totals: List[torch.Tensor], lasts: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The states entering this rank's chunks of an elementwise recurrence h_t = a_t * h_{t-1} + u_t
+    (Mamba-1's selective scan, the RG-LRU), from each chunk's total decay prod(a) and its last state
+    run from zero: h_end = prod(a) * h_start + last."""
+    maps = [torch.stack([total, last.to(total.dtype)], dim=-1) for total, last in zip(totals, lasts)]
+    return entering_states(cp, maps, lambda step, state: step[..., 0] * state + step[..., 1],
+                           lambda zeros: zeros[..., 0])
+
+
 def compose(cp: "ContextParallel", outs: List[torch.Tensor], finals: List[torch.Tensor], d_v: int) -> torch.Tensor:
     """This rank's outputs from its chunks' widened runs: outs [b, n, heads, d_v + d_k] (o(0) | P) and
     finals [b, heads, d_k, d_v + d_k] (B | M), one per piece in shard order; returns [b, s_local, heads, d_v]."""
-    n_pieces = len(outs)
-    every = gather_from_sp_region(torch.stack(finals, dim=1), cp.group, dim=1)  # rank-major chunk maps
+    states = entering_states(cp, finals, lambda step, state: step[..., d_v:] @ state + step[..., :d_v],
+                             lambda zeros: zeros[..., :d_v])
     results = []
-    for out, chunk in zip(outs, chunk_indices(cp.group.rank(), cp.size, cp.layout)):
-        # The state entering the chunk, from the sequence's start (an empty sum for the first chunk keeps
-        # the gather in every rank's graph: every rank then joins its reduce-scatter in backward).
-        state = every.narrow(1, 0, 0).sum(1)[..., :d_v]
-        for earlier in range(chunk):
-            rank, piece = chunk_owner(earlier, cp.size, cp.layout)
-            step = every[:, rank * n_pieces + piece]
-            state = step[..., d_v:] @ state + step[..., :d_v]
+    for out, state in zip(outs, states):
         carried = torch.einsum("bshk,bhkv->bshv", out[..., d_v:].to(state.dtype), state)
         results.append((out[..., :d_v].to(state.dtype) + carried).to(out.dtype))
     return torch.cat(results, dim=1)
@@ -91,6 +114,15 @@ def sharded_conv(original: Callable) -> Callable:
                               lambda extended: original(extended.transpose(1, 2), weight, bias, *args, **kwargs),
                               out_dim=-1)
     return conv
+
+
+def declined(original: Callable) -> Callable:
+    """A fused kernel path declined inside a sharded layer: None is the layers' own signal to take
+    the unfused path (their torch fallbacks return None too)."""
+    @functools.wraps(original)
+    def fused(*args, **kwargs):
+        return None if active.get() is not None else original(*args, **kwargs)
+    return fused
 
 
 def wrap_function(modeling, name: str, wrapper: Callable[[Callable], Callable]) -> None:

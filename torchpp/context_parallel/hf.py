@@ -31,6 +31,8 @@ from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positio
 from torchpp.context_parallel.delta_rule import apply_delta_rule
 from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.mamba import apply_mamba2
+from torchpp.context_parallel.rg_lru import apply_rg_lru
+from torchpp.context_parallel.selective_scan import apply_selective_scan
 from torchpp.context_parallel.hf_support import AttentionCalls, attention_configs, check_call, check_model, layer_type
 
 IGNORE_INDEX = -100
@@ -211,6 +213,8 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     apply_halos(model, cp)
     apply_delta_rule(model, cp)
     apply_mamba2(model, cp)
+    apply_selective_scan(model, cp)
+    apply_rg_lru(model, cp)
     record = _record_positions(cp)
     for module in model.modules():  # the attention function gets its module: each one knows the group
         module.torchpp_cp = cp

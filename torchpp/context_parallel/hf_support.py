@@ -15,6 +15,8 @@ from torch import nn
 from torchpp.context_parallel.delta_rule import defines_delta_rule, delta_rule_convs
 from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
 from torchpp.context_parallel.halo import halo_conv
+from torchpp.context_parallel.rg_lru import recurrent_block_convs
+from torchpp.context_parallel.selective_scan import defines_selective_scan, selective_scan_convs
 
 # Layer types whose masks transformers builds otherwise than by position and window.
 COMPRESSED = "compressed key/value entries with a mask of their own (DeepSeek-V4's compressor)"
@@ -35,8 +37,8 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
     the path of its stack of layers, where a convolution over the sequence is refused)."""
     where = f"torchpp.parallelize: cp={size}: {type(model).__name__}"
     modeling = sys.modules.get(type(model).__module__)
-    recurrent = defines_delta_rule(modeling) or defines_mamba2(modeling)
-    # (Delta-rule and Mamba-2 hybrids run attention through transformers' functions and their other
+    recurrent = defines_delta_rule(modeling) or defines_mamba2(modeling) or defines_selective_scan(modeling)
+    # (Delta-rule and Mamba hybrids run attention through transformers' functions and their other
     # layers through torchpp's sharded recurrences; a layer doing neither raises at its first forward.
     # Decided by the model's modeling module: every pipeline rank decides alike, whichever layers it holds.)
     if not getattr(type(model), "_supports_attention_backend", True) and not recurrent:
@@ -53,7 +55,8 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
             raise ValueError(f"torchpp.parallelize: cp={size} needs attention_dropout=0 (the model's config has "
                              f"{dropout}): sharded attention has no dropout")
     haloed = {id(halo_conv(module)) for module in model.modules() if halo_conv(module) is not None}
-    haloed |= {id(conv) for conv in delta_rule_convs(model) + mamba2_convs(model)}
+    haloed |= {id(conv) for conv in (delta_rule_convs(model) + mamba2_convs(model) + selective_scan_convs(model)
+                                     + recurrent_block_convs(model))}
     for name, module in model.named_modules():
         if layers is not None and name.startswith(f"{layers}.") and isinstance(module, nn.Conv1d) \
                 and module.kernel_size[0] > 1 and id(module) not in haloed:
@@ -102,7 +105,7 @@ TOKENWISE_LAYERS = ("mlp", "moe")
 
 class AttentionCalls:
     """Counts a model's sharded sequence-mixing calls (attention, short convolutions with halos,
-    delta-rule and Mamba-2 scans), so that each layer of its stack can be checked to have made one."""
+    delta-rule and Mamba scans), so that each layer of its stack can be checked to have made one."""
 
     def __init__(self):
         self.count = 0

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, List
 import torch
 from torch import nn
 
-from torchpp.context_parallel.chunk_states import (CONV, active, check_not_packed, compose, pieces_of, sharded_conv,
-                                                   track_layers, widened_initial, wrap_function)
+from torchpp.context_parallel.chunk_states import (CONV, active, check_not_packed, compose, declined, pieces_of,
+                                                   sharded_conv, track_layers, widened_initial, wrap_function)
 
 if TYPE_CHECKING:
     from torchpp.context_parallel.hf import ContextParallel
@@ -80,20 +80,12 @@ def _scan_over_shards(cp: "ContextParallel", scan, x, dt, A, B, C, chunk_size, *
     return compose(cp, outs, finals, head_dim)
 
 
-def _declined(original):
-    @functools.wraps(original)
-    def fused(*args, **kwargs):
-        # None is the layer's own signal to take the unfused path (its torch fallback returns None too).
-        return None if active.get() is not None else original(*args, **kwargs)
-    return fused
-
-
 def wrap_modeling(modeling) -> None:
     """Wraps a modeling module's short convolution, chunked scan and fused path (they call through
     outside a sharded layer)."""
     wrap_function(modeling, CONV, sharded_conv)
     wrap_function(modeling, SCAN, _sharded_scan)
-    wrap_function(modeling, FUSED, _declined)
+    wrap_function(modeling, FUSED, declined)
 
 
 def _prepare(module: nn.Module) -> None:
