@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import sys
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
@@ -131,6 +132,20 @@ def wrap_function(modeling, name: str, wrapper: Callable[[Callable], Callable]) 
     if name not in done:
         setattr(modeling, name, wrapper(getattr(modeling, name)))
         done.add(name)
+
+
+def wrap_scan_modeling(modeling, scan: str, sharded_scan: Callable, fused: str) -> None:
+    """Wraps a Mamba modeling module's short convolution, scan and fused kernel path (they call
+    through outside a sharded layer)."""
+    wrap_function(modeling, CONV, sharded_conv)
+    wrap_function(modeling, scan, sharded_scan)
+    wrap_function(modeling, fused, declined)
+
+
+def track_mixers(model: nn.Module, cp: "ContextParallel", is_mixer: Callable[[nn.Module], bool],
+                 wrap_modeling: Callable) -> int:
+    """``track_layers`` for mixers whose functions live in their modeling module (wrapped first)."""
+    return track_layers(model, cp, is_mixer, lambda module: wrap_modeling(sys.modules[type(module).__module__]))
 
 
 def track_layers(model: nn.Module, cp: "ContextParallel", is_layer: Callable[[nn.Module], bool],

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, List
 import torch
 from torch import nn
 
-from torchpp.context_parallel.chunk_states import (CONV, active, check_not_packed, compose, declined, pieces_of,
-                                                   sharded_conv, track_layers, widened_initial, wrap_function)
+from torchpp.context_parallel.chunk_states import (CONV, active, check_not_packed, compose, pieces_of, track_mixers,
+                                                   widened_initial, wrap_scan_modeling)
 
 if TYPE_CHECKING:
     from torchpp.context_parallel.hf import ContextParallel
@@ -81,17 +81,9 @@ def _scan_over_shards(cp: "ContextParallel", scan, x, dt, A, B, C, chunk_size, *
 
 
 def wrap_modeling(modeling) -> None:
-    """Wraps a modeling module's short convolution, chunked scan and fused path (they call through
-    outside a sharded layer)."""
-    wrap_function(modeling, CONV, sharded_conv)
-    wrap_function(modeling, SCAN, _sharded_scan)
-    wrap_function(modeling, FUSED, declined)
-
-
-def _prepare(module: nn.Module) -> None:
-    wrap_modeling(sys.modules[type(module).__module__])
+    wrap_scan_modeling(modeling, SCAN, _sharded_scan, FUSED)
 
 
 def apply_mamba2(model: nn.Module, cp: "ContextParallel") -> int:
     """Shards each Mamba-2 mixer of ``model`` over ``cp``; returns how many."""
-    return track_layers(model, cp, is_mamba2_mixer, _prepare)
+    return track_mixers(model, cp, is_mamba2_mixer, wrap_modeling)

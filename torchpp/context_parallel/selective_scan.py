@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchpp.context_parallel.chunk_states import (CONV, active, check_not_packed, declined, diagonal_states,
-                                                   pieces_of, sharded_conv, track_layers, wrap_function)
+from torchpp.context_parallel.chunk_states import (CONV, active, check_not_packed, diagonal_states, pieces_of,
+                                                   track_mixers, wrap_scan_modeling)
 
 if TYPE_CHECKING:
     from torchpp.context_parallel.hf import ContextParallel
@@ -96,17 +96,9 @@ def _scan_over_shards(cp: "ContextParallel", scan, x, dt, A, B, C, D, z, delta_b
 
 
 def wrap_modeling(modeling) -> None:
-    """Wraps a modeling module's short convolution, selective scan and fused path (they call through
-    outside a sharded layer)."""
-    wrap_function(modeling, CONV, sharded_conv)
-    wrap_function(modeling, SCAN, _sharded_scan)
-    wrap_function(modeling, FUSED, declined)
-
-
-def _prepare(module: nn.Module) -> None:
-    wrap_modeling(sys.modules[type(module).__module__])
+    wrap_scan_modeling(modeling, SCAN, _sharded_scan, FUSED)
 
 
 def apply_selective_scan(model: nn.Module, cp: "ContextParallel") -> int:
     """Shards each Mamba-1 mixer of ``model`` over ``cp``; returns how many."""
-    return track_layers(model, cp, is_selective_scan_mixer, _prepare)
+    return track_mixers(model, cp, is_selective_scan_mixer, wrap_modeling)
