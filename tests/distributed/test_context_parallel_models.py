@@ -235,18 +235,34 @@ def test_cp2_mamba1_and_griffin_models(ranks):
     assert all(len(r) == 5 for r in results), results
 
 
-def check_elementwise_recurrences_at(dims: str):
+def check_lightning_attention():
+    """MiniMax's lightning attention (linear attention, one decay per head, alternating with softmax
+    attention layers): the layer's own block loop corrected by the states entering each chunk; blocks
+    of 3 and 5 tokens straddle the chunks of 2 and 4."""
+    return {"minimax": check_cp("minimax"),
+            "minimax blocks of 3, packed": check_cp("minimax", block_size=3, packed=True),
+            "minimax blocks of 5, contiguous all-gather": check_cp("minimax", block_size=5, mode="all-gather",
+                                                                   layout="contiguous")}
+
+
+def test_cp2_lightning_attention(ranks):
+    results = ranks(2).run(check_lightning_attention, timeout=TIMEOUT_S)
+    assert all(len(r) == 3 for r in results), results
+
+
+def check_recurrences_at(dims: str):
     griffin = dict(plan="auto", dtype=torch.float32)
     if dims == "cp4":  # eight chunks of 2 tokens
-        return [check_cp("mamba", cp=4), check_cp("recurrent_gemma", cp=4, **griffin)]
+        return [check_cp("mamba", cp=4), check_cp("recurrent_gemma", cp=4, **griffin),
+                check_cp("minimax", cp=4, block_size=3)]
     if dims == "cp2xtp2":  # each tensor-parallel rank scans its own channels
-        return [check_cp("mamba", tp=2), check_cp("recurrent_gemma", tp=2, **griffin)]
-    return [check_cp("jamba", pp=2, schedule="1f1b", plan="auto")]
+        return [check_cp("mamba", tp=2), check_cp("recurrent_gemma", tp=2, **griffin), check_cp("minimax", tp=2)]
+    return [check_cp("jamba", pp=2, schedule="1f1b", plan="auto"), check_cp("minimax", pp=2)]
 
 
 @pytest.mark.parametrize("dims", ["cp4", "cp2xtp2", "cp2xpp2"])
-def test_mamba1_and_griffin_at_cp4_and_with_tp_pp(ranks, dims):
-    results = ranks(4).run(check_elementwise_recurrences_at, dims, timeout=TIMEOUT_S)
+def test_mamba1_griffin_lightning_at_cp4_and_with_tp_pp(ranks, dims):
+    results = ranks(4).run(check_recurrences_at, dims, timeout=TIMEOUT_S)
     assert len(results) == 4 and all("grads on this rank" in r for done in results for r in done), results
 
 

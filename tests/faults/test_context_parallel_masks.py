@@ -12,10 +12,11 @@
 - Layers that mix the sequence without attention (MiniMax's linear attention, LFM2's short
   convolutions, RecurrentGemma's recurrence) ran on each rank's shard alone (off by 0.06, 0.0008,
   0.16): a layer of the stack that makes no attention call now raises at its first forward, naming
-  it, and a convolution over the sequence inside a layer is refused when the model is wrapped.
-  LFM2's short convolutions and RecurrentGemma's recurrent blocks have since been sharded
+  it (here a running mean put in a Llama layer), and a convolution over the sequence inside a layer
+  is refused when the model is wrapped. All three have since been sharded
   (``torchpp.context_parallel.halo``: each chunk run with the tokens before it from their ranks;
-  ``rg_lru``: the recurrence's state carried across chunks; tests/distributed/test_context_parallel_models.py).
+  ``rg_lru`` and ``lightning``: the recurrence's state carried across chunks;
+  tests/distributed/test_context_parallel_models.py).
 - RoBERTa-style embeddings count positions from padding_idx + 1, derived from the tokens; the
   global positions sharding gives them were 2 off (camembert, roberta, xlm-roberta, xmod: off by
   0.4-0.6). They are now refused.
@@ -27,6 +28,8 @@ And what hung: a CP refusal raised only on the pipeline stage holding the offend
 went on into the next collective), and tied embeddings at cp x pp (the two end stages' group left cp
 out, so their shape check's collective differed in groups and waited forever)."""
 import pytest
+import torch
+from torch import nn
 
 import torchpp
 from torchpp.models import parallelize
@@ -57,10 +60,21 @@ def test_a_model_computing_attention_itself_is_refused(ranks):
     assert ranks(2).run(_own_attention_code, timeout=TIMEOUT_S) == ["refused"] * 2
 
 
+class RunningMean(nn.Module):
+    """Mixes the sequence without calling attention: each token becomes the mean of the tokens up to it."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        counts = torch.arange(1, hidden_states.size(1) + 1, dtype=hidden_states.dtype)[:, None]
+        return hidden_states.cumsum(1) / counts, None
+
+
 def _layers_without_attention():
-    with pytest.raises(NotImplementedError, match=r"layer model\.layers\.1 \(MiniMaxDecoderLayer\) ran without calling "
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn = RunningMean()
+    wrapped = parallelize(model, state=torchpp.init_parallel(cp=2))
+    with pytest.raises(NotImplementedError, match=r"layer model\.layers\.1 \(LlamaDecoderLayer\) ran without calling "
                                                   r"attention"):
-        check_cp("minimax")
+        wrapped(input_ids=torch.zeros(2, 16, dtype=torch.long))
     with pytest.raises(NotImplementedError, match=r"position_embeddings counts positions from padding_idx \+ 1 = 2"):
         check_cp("roberta", plan="auto")
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.[\w.]+ convolves over the sequence"):

@@ -15,8 +15,8 @@ log-sum-exp; the backward passes key/value gradients around the ring (or reduce-
 | sequence_positions  | the global positions this rank's shard holds                |
 
 Model-level integration: ``parallelize(model, cp=)`` (``torchpp.context_parallel.hf``: attention;
-``halo``: short convolutions; ``chunk_states`` with ``delta_rule``, ``mamba``, ``selective_scan`` and
-``rg_lru``: linear recurrences). See docs/context_parallel.md.
+``halo``: short convolutions; ``chunk_states`` with ``delta_rule``, ``mamba``, ``selective_scan``,
+``rg_lru`` and ``lightning``: linear recurrences). See docs/context_parallel.md.
 """
 from __future__ import annotations
 

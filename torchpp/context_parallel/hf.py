@@ -30,6 +30,7 @@ from torchpp import recompute
 from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
 from torchpp.context_parallel.delta_rule import apply_delta_rule
 from torchpp.context_parallel.halo import apply_halos
+from torchpp.context_parallel.lightning import apply_lightning
 from torchpp.context_parallel.mamba import apply_mamba2
 from torchpp.context_parallel.rg_lru import apply_rg_lru
 from torchpp.context_parallel.selective_scan import apply_selective_scan
@@ -215,6 +216,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     apply_mamba2(model, cp)
     apply_selective_scan(model, cp)
     apply_rg_lru(model, cp)
+    apply_lightning(model, cp)
     record = _record_positions(cp)
     for module in model.modules():  # the attention function gets its module: each one knows the group
         module.torchpp_cp = cp
