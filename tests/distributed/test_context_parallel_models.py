@@ -92,6 +92,18 @@ def test_cp2_more_families_packed(ranks):
     assert all(set(r) == set(FAMILIES) for r in results), results
 
 
+def check_without_backend_flag():
+    """Models that do not declare attention backends (_supports_attention_backend False) but run
+    attention through transformers' functions and take position ids: StableLM (partial rotary),
+    BioGPT (learned positions, scaled embeddings)."""
+    return {"stablelm packed": check_cp("stablelm", packed=True, plan="auto"), "biogpt": check_cp("biogpt", plan="auto")}
+
+
+def test_cp2_models_without_the_attention_backend_flag(ranks):
+    results = ranks(2).run(check_without_backend_flag, timeout=TIMEOUT_S)
+    assert all(len(r) == 2 for r in results), results
+
+
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),
                                             ("dp", "llama"), ("zero", "llama"), ("ep", "mixtral")])
 def test_cp2_with_tp2_pp2_or_dp2(ranks, dim, model_type):

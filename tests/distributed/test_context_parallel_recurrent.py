@@ -1,17 +1,21 @@
 """Linear recurrences over a sharded sequence (torchpp.context_parallel.chunk_states) on spawned
 gloo ranks, against transformers' own functions on the whole sequence in float32 (they compute in
 float32 whatever their inputs): the gated delta rule (``delta_rule``: Qwen3.5's, grouped value
-heads and one decay per head; Kimi's delta attention, one decay per key channel) and Mamba-2's
-chunked scan (``mamba``: grouped B/C, the D skip term) and Mamba-1's selective scan
-(``selective_scan``: one decay per channel and state entry, the skip term and the gate); each rank's output and the gradients of its
-input shards, at cp=2 and cp=4, both layouts. The short convolution with halos likewise.
-Whole-model checks: test_context_parallel_models.py."""
+heads and one decay per head; Kimi's delta attention, one decay per key channel), Mamba-2's chunked
+scan (``mamba``: grouped B/C, the D skip term) and Mamba-1's selective scan (``selective_scan``:
+one decay per channel and state entry, the skip term and the gate); each rank's output and the
+gradients of its input shards, at cp=2 and cp=4, both layouts. The short convolutions with halos
+likewise (a plain one, and Inkling 2's with per-token taps). Whole-model checks:
+test_context_parallel_models.py."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from torchpp.context_parallel.chunk_states import active
 from torchpp.context_parallel.delta_rule import wrap_modeling
+from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.mamba import wrap_modeling as wrap_mamba2_modeling
 from torchpp.context_parallel.selective_scan import wrap_modeling as wrap_mamba1_modeling
 from torchpp.context_parallel.hf import ContextParallel
@@ -96,6 +100,36 @@ def check_conv(layout: str):
     assert torch.allclose(out, cp.shard(expected.detach(), dim=2), rtol=1e-12, atol=1e-12)
     # Each rank's input gradient: its own tokens' outputs plus the halos other ranks read, reduce-scattered.
     assert torch.allclose(local_grad, cp.shard(full_grad, dim=2), rtol=1e-12, atol=1e-12)
+    return True
+
+
+def check_dynamic_conv(layout: str):
+    """Inkling 2's short convolution with per-token taps (projected from a second input along the
+    sequence, which gets its halo too), run on each chunk with the tokens before it (halo.py)."""
+    from transformers.models.inkling2.modeling_inkling2 import Inkling2DynamicShortConvolution
+
+    cp = ContextParallel(dist.group.WORLD, layout=layout)
+    torch.manual_seed(5)
+    whole = Inkling2DynamicShortConvolution(hidden_size=8, input_size=6, num_heads=2, conv_kernel_size=4,
+                                            layer_idx=0, conv_idx=0)
+    torch.nn.init.normal_(whole.static_weight)
+    sharded = copy.deepcopy(whole)
+    assert apply_halos(sharded, cp) == 1
+    seq = 4 * cp.size  # kernel 4 at cp=4: halos reach over whole chunks of 2
+    x, taps_from, grad = torch.randn(BATCH, seq, 8), torch.randn(BATCH, seq, 6), torch.randn(BATCH, seq, 8)
+    full = [x.clone().requires_grad_(), taps_from.clone().requires_grad_()]
+    expected = whole(*full)
+    local = [cp.shard(t).requires_grad_() for t in (x, taps_from)]
+    out = sharded(*local)
+    _close(out, cp.shard(expected.detach()), f"dynamic conv {layout} output")
+    params = [sharded.static_weight, sharded.weight_proj.weight]
+    mine = torch.autograd.grad(out, local + params, cp.shard(grad))
+    wholes = torch.autograd.grad(expected, full + [whole.static_weight, whole.weight_proj.weight], grad)
+    for name, got, want in zip(("x", "dynamic_input"), mine, wholes):
+        _close(got, cp.shard(want), f"dynamic conv {layout} d{name}")  # halos' gradients reduce-scattered back
+    for name, got, want in zip(("static_weight", "weight_proj"), mine[2:], wholes[2:]):
+        dist.all_reduce(got)
+        _close(got, want, f"dynamic conv {layout} d{name}")
     return True
 
 
@@ -219,3 +253,8 @@ def test_selective_scan_over_shards_equals_the_whole_sequence(ranks, cp, layout)
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_short_convolution_with_halos_equals_the_whole_sequence(ranks, layout):
     assert ranks(4).run(check_conv, layout) == [True] * 4
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_convolution_with_per_token_taps_with_halos_equals_the_whole_sequence(ranks, layout):
+    assert ranks(4).run(check_dynamic_conv, layout) == [True] * 4

@@ -23,6 +23,11 @@
 - Zaya's attention convolves its queries and keys over the sequence before attending: the
   convolution read zeros across each shard's edge (off by 0.04). A convolution over the sequence
   inside a layer is now refused.
+- Models that do not declare attention backends are served when they route attention through
+  transformers' functions and take position ids (StableLM, BioGPT). Among them Inkling passes a
+  relative position bias to its attention function as a keyword, which sharded attention ignored
+  (off by 8e-6 here, more on longer sequences): a tensor keyword the op does not read is now
+  refused, naming it. BART's decoders count positions from their input's length: refused.
 
 And what hung: a CP refusal raised only on the pipeline stage holding the offending layer (the others
 went on into the next collective), and tied embeddings at cp x pp (the two end stages' group left cp
@@ -79,6 +84,10 @@ def _layers_without_attention():
         check_cp("roberta", plan="auto")
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.[\w.]+ convolves over the sequence"):
         check_cp("zaya", plan="auto")
+    with pytest.raises(NotImplementedError, match=r"InklingAttention passes position_bias to its attention function"):
+        check_cp("inkling_text", plan="auto")
+    with pytest.raises(NotImplementedError, match=r"BartForCausalLM takes no position_ids: it counts its positions"):
+        check_cp("bart", plan="auto")
     return "refused"
 
 

@@ -111,7 +111,7 @@ def sharded_conv(original: Callable) -> Callable:
             return original(hidden_states, weight, bias, *args, **kwargs)
         check_not_packed(kwargs, "a short convolution")
         pieces = list(hidden_states.transpose(1, 2).chunk(pieces_of(cp), dim=1))  # [b, n, channels] each
-        return run_with_halos(cp, pieces, weight.shape[-1] - 1,
+        return run_with_halos(cp, [pieces], weight.shape[-1] - 1,
                               lambda extended: original(extended.transpose(1, 2), weight, bias, *args, **kwargs),
                               out_dim=-1)
     return conv

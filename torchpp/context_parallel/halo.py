@@ -1,4 +1,5 @@
-"""Short causal convolutions over a sharded sequence (LFM2's gated short convolutions).
+"""Short causal convolutions over a sharded sequence (LFM2's gated short convolutions, Inkling's
+short convolutions, static or with per-token taps).
 
 A causal convolution of kernel k reads, for each token, the k-1 tokens before it, which for the
 first tokens of a chunk live on another rank (zigzag: rank r's chunks r and 2c-1-r follow chunks
@@ -11,10 +12,13 @@ tokens get their gradient.
 
 Only mixers known to be per token except for one causal depthwise convolution are served
 (``HALO_MIXERS``): running them on the k-1 extra tokens is then exact for the chunk's tokens.
+Their inputs along the sequence (``SEQUENCE_INPUTS``: the hidden states, and the input Inkling 2's
+per-token taps are projected from) are extended alike.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
@@ -27,8 +31,14 @@ from torchpp.ops import gather_from_sp_region
 if TYPE_CHECKING:
     from torchpp.context_parallel.hf import ContextParallel
 
-# Mixer classes whose forward is per token but for one causal convolution, by the attribute that holds it.
-HALO_MIXERS = {"Lfm2ShortConv": "conv", "Lfm2MoeShortConv": "conv", "Lfm3ShortConv": "conv"}
+# Mixer classes whose forward is per token but for one causal convolution: the attribute holding
+# its nn.Conv1d, or None where the taps are computed per token (Inkling 2's dynamic convolutions,
+# whose kernel is ``conv_kernel_size``).
+HALO_MIXERS = {"Lfm2ShortConv": "conv", "Lfm2MoeShortConv": "conv", "Lfm3ShortConv": "conv",
+               "InklingShortConvolution": "conv1d", "Inkling2ShortConvolution": "conv1d",
+               "Inkling2LoopShortConvolution": "conv1d", "Inkling2DynamicShortConvolution": None,
+               "Inkling2LoopDynamicShortConvolution": None}
+SEQUENCE_INPUTS = ("hidden_states", "dynamic_input")
 
 
 def halo_conv(module: nn.Module) -> Optional[nn.Conv1d]:
@@ -36,6 +46,15 @@ def halo_conv(module: nn.Module) -> Optional[nn.Conv1d]:
     attr = HALO_MIXERS.get(type(module).__name__)
     conv = getattr(module, attr, None) if attr else None
     return conv if isinstance(conv, nn.Conv1d) else None
+
+
+def halo_length(module: nn.Module) -> Optional[int]:
+    """The tokens a ``HALO_MIXERS`` module reads before each of its own (k - 1), or None for others."""
+    if type(module).__name__ not in HALO_MIXERS:
+        return None
+    conv = halo_conv(module)
+    kernel = conv.kernel_size[0] if conv is not None else getattr(module, "conv_kernel_size", None)
+    return kernel - 1 if isinstance(kernel, int) else None
 
 
 def chunk_owner(chunk: int, size: int, layout: str) -> Tuple[int, int]:
@@ -65,34 +84,42 @@ def halos_before(cp: "ContextParallel", pieces: List[torch.Tensor], halo: int) -
     return halos
 
 
-def run_with_halos(cp: "ContextParallel", pieces: List[torch.Tensor], halo: int, run, out_dim: int) -> torch.Tensor:
-    """``run`` on each piece ([b, n, ...]) preceded by its halo, the halo's outputs dropped along
-    ``out_dim``; the pieces' outputs joined in shard order."""
+def run_with_halos(cp: "ContextParallel", inputs: List[List[torch.Tensor]], halo: int, run,
+                   out_dim: int) -> torch.Tensor:
+    """``run`` on each piece of ``inputs`` (one list of [b, n, ...] pieces per input along the
+    sequence) preceded by its halo, the halo's outputs dropped along ``out_dim``; the pieces'
+    outputs joined in shard order."""
+    befores = [halos_before(cp, pieces, halo) for pieces in inputs]
     outs = []
-    for piece, before in zip(pieces, halos_before(cp, pieces, halo)):
-        out = run(torch.cat([before, piece], dim=1))
-        kept = before.size(1)
+    for index in range(len(inputs[0])):
+        out = run(*(torch.cat([before[index], pieces[index]], dim=1) for before, pieces in zip(befores, inputs)))
+        kept = befores[0][index].size(1)
         outs.append(out.narrow(out_dim, kept, out.size(out_dim) - kept))
     return torch.cat(outs, dim=out_dim)
 
 
 def _sharded_forward(forward, cp: "ContextParallel", halo: int, *args, **kwargs):
-    hidden = args[0] if args else kwargs.pop("hidden_states")
-    rest = args[1:]
     cp.calls.count += 1  # the layer mixes its sequence through sharded code
+    bound = inspect.signature(forward).bind(*args, **kwargs)
+    names = [name for name in SEQUENCE_INPUTS if isinstance(bound.arguments.get(name), torch.Tensor)]
     n_pieces = len(chunk_indices(0, cp.size, cp.layout))
-    pieces = list(hidden.chunk(n_pieces, dim=1))
-    return run_with_halos(cp, pieces, halo, lambda extended: forward(extended, *rest, **kwargs), out_dim=1)
+
+    def run(*extended):
+        bound.arguments.update(zip(names, extended))
+        return forward(*bound.args, **bound.kwargs)
+
+    return run_with_halos(cp, [list(bound.arguments[name].chunk(n_pieces, dim=1)) for name in names], halo, run,
+                          out_dim=1)
 
 
 def apply_halos(model: nn.Module, cp: "ContextParallel") -> int:
     """Runs each ``HALO_MIXERS`` module of ``model`` on its shard with halos; returns how many."""
     wrapped = 0
     for module in model.modules():
-        conv = halo_conv(module)
-        if conv is None or getattr(module, "_torchpp_halo", False):  # (the recompute pass applies cp again)
+        halo = halo_length(module)
+        if halo is None or getattr(module, "_torchpp_halo", False):  # (the recompute pass applies cp again)
             continue
-        module.forward = functools.partial(_sharded_forward, module.forward, cp, conv.kernel_size[0] - 1)
+        module.forward = functools.partial(_sharded_forward, module.forward, cp, halo)
         module._torchpp_halo = True
         wrapped += 1
     return wrapped

@@ -168,7 +168,8 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     if cp is None:
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__} was not wrapped by "
                            f"parallelize(..., cp=)")
-    causal = getattr(module, "is_causal", True)
+    causal = kwargs.pop("is_causal", None)  # a call's own is_causal wins over its module's, as in transformers'
+    causal = getattr(module, "is_causal", True) if causal is None else causal
     check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
     cp.calls.count += 1
     if position_ids is None:

@@ -7,9 +7,11 @@ Under cp transformers builds no mask, so anything a model expresses only through
 own attention code would otherwise be silently lost."""
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Dict, Optional
 
+import torch
 from torch import nn
 
 from torchpp.context_parallel.delta_rule import defines_delta_rule, delta_rule_convs
@@ -41,10 +43,18 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
     # (Delta-rule and Mamba hybrids run attention through transformers' functions and their other
     # layers through torchpp's sharded recurrences; a layer doing neither raises at its first forward.
     # Decided by the model's modeling module: every pipeline rank decides alike, whichever layers it holds.)
+    # A model that does not declare attention backends is served when its modeling module routes
+    # attention through transformers' functions and it is given its positions (each layer calling
+    # attention is then checked at the first forward).
     if not getattr(type(model), "_supports_attention_backend", True) and not recurrent:
-        raise NotImplementedError(f"{where} does not run its attention through transformers' attention functions "
-                                  f"(_supports_attention_backend=False: attention in its own code, such as Bloom's "
-                                  f"ALiBi, or Mamba / linear-attention layers), so sharded attention cannot replace it")
+        if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+            raise NotImplementedError(f"{where} does not run its attention through transformers' attention "
+                                      f"functions (attention in its own code, such as Bloom's ALiBi), so sharded "
+                                      f"attention cannot replace it")
+        if "position_ids" not in inspect.signature(model.forward).parameters:
+            raise NotImplementedError(f"{where} takes no position_ids: it counts its positions from the length of "
+                                      f"its input (as BART's decoders do), which on a shard of the sequence would "
+                                      f"start again at 0")
     for config in attention_configs(model).values():
         unsharded = sorted(set(getattr(config, "layer_types", None) or ()) & set(UNSHARDED_MASKS))
         if unsharded:
@@ -73,6 +83,12 @@ def attention_configs(model: nn.Module) -> Dict[int, object]:
             if c is not None and hasattr(c, "_attn_implementation")}
 
 
+# Tensors an attention call may carry that do not change what it computes (the loss's keywords
+# travel with every layer's); any other would be ignored by sharded attention (Inkling's relative
+# position bias, flash kernels' packed offsets).
+UNREAD_TENSORS = ("cache_position", "labels", "num_items_in_batch", "shift_labels")
+
+
 def check_call(module: nn.Module, query, key, attention_mask, dropout, sliding_window, causal: bool, kwargs) -> None:
     """Refuses an attention call asking for what sharded attention does not implement."""
     name = type(module).__name__
@@ -87,6 +103,10 @@ def check_call(module: nn.Module, query, key, attention_mask, dropout, sliding_w
         raise NotImplementedError(f"{PREFIX}: {name} is given an attention mask it built itself "
                                   f"({type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}), "
                                   f"which sharded attention cannot apply to a shard of the sequence")
+    extra = sorted(key for key, value in kwargs.items() if isinstance(value, torch.Tensor) and key not in UNREAD_TENSORS)
+    if extra and kwargs.get("indices") is None:
+        raise NotImplementedError(f"{PREFIX}: {name} passes {', '.join(extra)} to its attention function (a bias or "
+                                  f"mask of its own), which sharded attention does not implement")
     kind = layer_type(module)
     if kwargs.get("indices") is not None or kind in UNSHARDED_MASKS:
         what = UNSHARDED_MASKS.get(kind, UNSHARDED_MASKS["indexed_attention"])

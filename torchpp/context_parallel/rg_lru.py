@@ -38,7 +38,7 @@ def _conv(forward, hidden_states: torch.Tensor) -> torch.Tensor:
     if cp is None:
         return forward(hidden_states)
     pieces = list(hidden_states.transpose(1, 2).chunk(pieces_of(cp), dim=1))  # [b, n, channels] each
-    return run_with_halos(cp, pieces, forward.__self__.kernel_size[0] - 1,
+    return run_with_halos(cp, [pieces], forward.__self__.kernel_size[0] - 1,
                           lambda extended: forward(extended.transpose(1, 2))[..., :extended.size(1)], out_dim=-1)
 
 
