@@ -231,20 +231,22 @@ def test_mamba2_at_cp4_and_with_pp(ranks, dims):
 def check_elementwise_recurrences():
     """Mamba-1 mixers (selective scans) and Griffin's RG-LRU, each chunk continued from the state the
     earlier chunks leave: Mamba, Falcon-Mamba (norms on B, C and dt) in the other mode and layout,
-    Jamba (Mamba, attention and MoE layers) on packed rows, RecurrentGemma (recurrent blocks with a
+    Jamba (Mamba, attention and MoE layers) on packed rows, Zamba (multi-head Mamba mixers, shared
+    attention blocks), RecurrentGemma (recurrent blocks with a
     short convolution, local attention) alone and on packed rows (its state reset where a sequence
     starts). RecurrentGemma's scan accumulates in float32 whatever the model's dtype: a float32 model,
     compared at float32's tolerance."""
     return {"mamba": check_cp("mamba"),
             "falcon_mamba contiguous all-gather": check_cp("falcon_mamba", mode="all-gather", layout="contiguous"),
             "jamba packed": check_cp("jamba", packed=True),
+            "zamba (a scan per Mamba head)": check_cp("zamba", plan="auto"),
             "recurrent_gemma": check_cp("recurrent_gemma", plan="auto", dtype=torch.float32),
             "recurrent_gemma packed": check_cp("recurrent_gemma", plan="auto", dtype=torch.float32, packed=True)}
 
 
 def test_cp2_mamba1_and_griffin_models(ranks):
     results = ranks(2).run(check_elementwise_recurrences, timeout=TIMEOUT_S)
-    assert all(len(r) == 5 for r in results), results
+    assert all(len(r) == 6 for r in results), results
 
 
 def check_lightning_attention():

@@ -139,7 +139,8 @@ def wrap_scan_modeling(modeling, scan: str, sharded_scan: Callable, fused: str) 
     through outside a sharded layer)."""
     wrap_function(modeling, CONV, sharded_conv)
     wrap_function(modeling, scan, sharded_scan)
-    wrap_function(modeling, fused, declined)
+    if callable(getattr(modeling, fused, None)):  # (Zamba's modeling has no fused path)
+        wrap_function(modeling, fused, declined)
 
 
 def track_mixers(model: nn.Module, cp: "ContextParallel", is_mixer: Callable[[nn.Module], bool],

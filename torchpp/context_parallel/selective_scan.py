@@ -1,4 +1,4 @@
-"""Mamba-1 mixers over a sharded sequence (Mamba, Falcon-Mamba, Jamba): transformers'
+"""Mamba-1 mixers over a sharded sequence (Mamba, Falcon-Mamba, Jamba, Zamba): transformers'
 ``mamba_selective_scan`` run per chunk, continued across chunks by the states ``chunk_states``
 composes.
 
@@ -32,14 +32,18 @@ FUSED = "mamba_inner_fn"
 
 
 def defines_selective_scan(modeling) -> bool:
-    """Whether a modeling module holds the functions a Mamba-1 mixer we shard calls."""
-    return all(callable(getattr(modeling, name, None)) for name in (SCAN, CONV, FUSED))
+    """Whether a modeling module holds the functions a Mamba-1 mixer we shard calls (the fused path,
+    where there is one, is declined)."""
+    return all(callable(getattr(modeling, name, None)) for name in (SCAN, CONV))
 
 
 def is_selective_scan_mixer(module: nn.Module) -> bool:
-    """A transformers Mamba-1 mixer (A_log, D, dt_proj, x_proj, a short conv1d) whose modeling module
-    holds the scan and the convolution we shard."""
-    if not all(hasattr(module, attr) for attr in ("A_log", "D", "dt_proj", "x_proj", "conv1d")):
+    """A transformers Mamba-1 mixer (A_log, D, the dt and x projections as modules or, in Zamba's
+    multi-head mixer, as weights per head, a short conv1d) whose modeling module holds the scan and
+    the convolution we shard."""
+    if not all(hasattr(module, attr) for attr in ("A_log", "D", "conv1d")) or \
+            not any(hasattr(module, attr) for attr in ("dt_proj", "dt_proj_weight")) or \
+            not any(hasattr(module, attr) for attr in ("x_proj", "x_proj_weight")):
         return False
     return defines_selective_scan(sys.modules.get(type(module).__module__))
 
