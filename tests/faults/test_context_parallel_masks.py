@@ -26,8 +26,8 @@
 - Models that do not declare attention backends are served when they route attention through
   transformers' functions and take position ids (StableLM, BioGPT). Among them Inkling passes a
   relative position bias to its attention function as a keyword, which sharded attention ignored
-  (off by 8e-6 here, more on longer sequences): a tensor keyword the op does not read is now
-  refused, naming it. BART's decoders count positions from their input's length: refused.
+  (off by 8e-6 here): a tensor keyword the op does not read is now refused, naming it. BART's
+  decoders count positions from their input's length: refused.
 
 And what hung: a CP refusal raised only on the pipeline stage holding the offending layer (the others
 went on into the next collective), and tied embeddings at cp x pp (the two end stages' group left cp
