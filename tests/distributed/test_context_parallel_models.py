@@ -13,7 +13,10 @@ raises naming it. Gemma 2's capped scores (and VaultGemma's) with their sliding 
 short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
 gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
 started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2;
-Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid, Zamba2)."""
+Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid, Zamba2).
+Models counting their own positions (RoBERTa's from the tokens, BART's decoders from the length)
+read the whole sequence's, at cp=2, cp=4 and cp=2 x pp=2; models computing attention in their
+own code (Falcon, GPT-Neo) have their softmax routed to sharded attention."""
 import pytest
 import torch
 
@@ -102,6 +105,73 @@ def check_without_backend_flag():
 def test_cp2_models_without_the_attention_backend_flag(ranks):
     results = ranks(2).run(check_without_backend_flag, timeout=TIMEOUT_S)
     assert all(len(r) == 2 for r in results), results
+
+
+def check_own_positions():
+    """Models that count their positions themselves: RoBERTa's embeddings from the tokens (from
+    padding_idx + 1 over the non-padding ones; the random ids hold padding tokens, and packed rows
+    take the given position ids as they are, which RoBERTa's mask does not split by), BART-family
+    decoders and Whisper's from their input's length (their own per-token loss: each token's
+    logits against its own label); BigBirdPegasus's decoder declares its self-attention
+    is_causal=False, which transformers masks causally all the same."""
+    done = {name: check_cp(name, plan="auto", packed=packed) for name, packed in
+            [("roberta", False), ("xmod", True), ("camembert", False), ("bart", False), ("marian", False),
+             ("whisper", False), ("bigbird_pegasus", False)]}
+    with pytest.raises(ValueError, match=r"BartForCausalLM counts its positions from its input's length \(0\.\.15"):
+        check_cp("bart", plan="auto", packed=True)
+    return done
+
+
+def test_cp2_models_counting_their_own_positions(ranks):
+    results = ranks(2).run(check_own_positions, timeout=TIMEOUT_S)
+    assert all(len(r) == 7 and all("grads on this rank" in d for d in r.values()) for r in results), results
+
+
+def check_own_positions_at(dims: str):
+    if dims == "cp4":  # RoBERTa's count carried over eight chunks
+        return [check_cp("xlm-roberta", cp=4, plan="auto"), check_cp("pegasus", cp=4, plan="auto")]
+    # Stage 1 holds no position embeddings: what the model counts is decided on the whole model.
+    return [check_cp("roberta", pp=2, plan="auto"), check_cp("bart", pp=2, schedule="1f1b", plan="auto")]
+
+
+@pytest.mark.parametrize("dims", ["cp4", "cp2xpp2"])
+def test_own_positions_at_cp4_and_with_pp(ranks, dims):
+    results = ranks(4).run(check_own_positions_at, dims, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all(len(r) == 2 for r in results), results
+
+
+def check_own_attention_code():
+    """Falcon (rotary; multi-query and the new decoder architecture's grouped heads) and GPT-Neo
+    (unscaled scores, local layers a window of 5 here) compute attention in their own code; their
+    softmax is routed to sharded attention. GPT-Neo computes its scores in float32 whatever the
+    model's dtype: its cases run in float32, at float32's tolerance."""
+    neo = dict(plan="auto", dtype=torch.float32, window_size=5)
+    done = {"falcon packed": check_cp("falcon", plan="auto", packed=True),
+            "falcon new architecture": check_cp("falcon", plan="auto", new_decoder_architecture=True, num_kv_heads=2),
+            "gpt_neo packed": check_cp("gpt_neo", packed=True, **neo),
+            "gpt_neo all-gather contiguous": check_cp("gpt_neo", mode="all-gather", layout="contiguous", **neo)}
+    with pytest.raises(NotImplementedError, match=r"FalconForCausalLM uses ALiBi \(config\.alibi\)"):
+        check_cp("falcon", plan="auto", alibi=True)
+    return done
+
+
+def test_cp2_attention_in_the_models_own_code(ranks):
+    results = ranks(2).run(check_own_attention_code, timeout=TIMEOUT_S)
+    assert all(len(r) == 4 and all("grads on this rank" in d for d in r.values()) for r in results), results
+
+
+def check_own_attention_code_at(dims: str):
+    if dims == "cp4":  # windows of 3 over eight chunks of 2 tokens
+        return [check_cp("gpt_neo", cp=4, plan="auto", dtype=torch.float32, window_size=3),
+                check_cp("falcon", cp=4, plan="auto", packed=True)]
+    return [check_cp("falcon", tp=2, plan="auto"), check_cp("falcon", pp=2, plan="auto", packed=True),
+            check_cp("gpt_neo", tp=2, plan="auto", dtype=torch.float32, window_size=5, recompute="selective")]
+
+
+@pytest.mark.parametrize("dims", ["cp4", "cp2xtp2_pp2"])
+def test_own_attention_code_at_cp4_and_with_tp_pp(ranks, dims):
+    results = ranks(4).run(check_own_attention_code_at, dims, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all(len(r) == (2 if dims == "cp4" else 3) for r in results), results
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),

@@ -19,7 +19,8 @@
   tests/distributed/test_context_parallel_models.py).
 - RoBERTa-style embeddings count positions from padding_idx + 1, derived from the tokens; the
   global positions sharding gives them were 2 off (camembert, roberta, xlm-roberta, xmod: off by
-  0.4-0.6). They are now refused.
+  0.4-0.6). They were refused, and are now given the positions their rule derives from the whole
+  sequence (``context_parallel.positions``).
 - Zaya's attention convolves its queries and keys over the sequence before attending: the
   convolution read zeros across each shard's edge (off by 0.04). A convolution over the sequence
   inside a layer is now refused.
@@ -27,7 +28,12 @@
   transformers' functions and take position ids (StableLM, BioGPT). Among them Inkling passes a
   relative position bias to its attention function as a keyword, which sharded attention ignored
   (off by 8e-6 here): a tensor keyword the op does not read is now refused, naming it. BART's
-  decoders count positions from their input's length: refused.
+  decoders count positions from their input's length: each rank's from 0 (refused, then served
+  with the whole sequence's); their loss is the mean of their own per-token losses, which a
+  shard's mean weighs wrongly (now computed over the batch); BigBirdPegasus's decoder declares
+  is_causal=False and relied on its mask alone: its attention ran bidirectional (off by 0.19;
+  a decoder's self-attention is now causal). Packed rows, which those models' masks do not split,
+  are refused for the decoders that count from the length.
 
 And what hung: a CP refusal raised only on the pipeline stage holding the offending layer (the others
 went on into the next collective), and tied embeddings at cp x pp (the two end stages' group left cp
@@ -80,26 +86,24 @@ def _layers_without_attention():
     with pytest.raises(NotImplementedError, match=r"layer model\.layers\.1 \(LlamaDecoderLayer\) ran without calling "
                                                   r"attention"):
         wrapped(input_ids=torch.zeros(2, 16, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match=r"position_embeddings counts positions from padding_idx \+ 1 = 2"):
-        check_cp("roberta", plan="auto")
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.[\w.]+ convolves over the sequence"):
         check_cp("zaya", plan="auto")
     with pytest.raises(NotImplementedError, match=r"InklingAttention passes position_bias to its attention function"):
         check_cp("inkling_text", plan="auto")
-    with pytest.raises(NotImplementedError, match=r"BartForCausalLM takes no position_ids: it counts its positions"):
-        check_cp("bart", plan="auto")
+    with pytest.raises(ValueError, match=r"WhisperForCausalLM counts its positions from its input's length"):
+        check_cp("whisper", plan="auto", packed=True)
     return "refused"
 
 
-def test_layers_mixing_the_sequence_otherwise_and_token_derived_positions_are_refused(ranks):
+def test_layers_mixing_the_sequence_otherwise_and_unread_biases_are_refused(ranks):
     assert ranks(2).run(_layers_without_attention, timeout=TIMEOUT_S) == ["refused"] * 2
 
 
 def _refused_at_cp_and_pp():
-    # Stage 1 holds no position embeddings: the refusal is decided on the whole model, before the pipeline
+    # Stage 1 holds no convolving layer: the refusal is decided on the whole model, before the pipeline
     # cut, so every rank raises it (stage 0 alone raising left the others in the next collective).
-    with pytest.raises(NotImplementedError, match=r"position_embeddings counts positions from padding_idx \+ 1"):
-        check_cp("roberta", pp=2, plan="auto")
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.[\w.]+ convolves over the sequence"):
+        check_cp("zaya", pp=2, plan="auto")
     return "refused"
 
 

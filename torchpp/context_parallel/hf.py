@@ -32,9 +32,12 @@ from torchpp.context_parallel.delta_rule import apply_delta_rule
 from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.lightning import apply_lightning
 from torchpp.context_parallel.mamba import apply_mamba2
+from torchpp.context_parallel.own_attention import apply_own_attention
+from torchpp.context_parallel.positions import ModelPositions, apply_positions, check_given
 from torchpp.context_parallel.rg_lru import apply_rg_lru
 from torchpp.context_parallel.selective_scan import apply_selective_scan
-from torchpp.context_parallel.hf_support import AttentionCalls, attention_configs, check_call, check_model, layer_type
+from torchpp.context_parallel.hf_support import (AttentionCalls, attention_configs, check_call, check_model, layer_type,
+                                                mark_cross_attention, masked_causally)
 
 IGNORE_INDEX = -100
 ATTENTION_NAME = "torchpp_cp"
@@ -51,6 +54,8 @@ class ContextParallel:
     # The position ids the latest layer was called with, for attention modules their layer does not
     # give them to (Llama 4's, GPT-BigCode's): packed rows are told apart by them.
     layer_positions: Dict[str, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # How the model counts its positions, when it does so itself (RoBERTa's, BART's decoders).
+    model_positions: ModelPositions = field(default_factory=ModelPositions, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -106,9 +111,13 @@ def shard_batch(cp: ContextParallel, *, input_ids=None, inputs_embeds=None, labe
         out["input_ids"] = cp.shard(input_ids)
     else:
         out["inputs_embeds"] = cp.shard(inputs_embeds)
-    if position_ids is None:
+    rule = cp.model_positions.rule
+    if position_ids is None and rule is not None:  # the model's own positions, derived from the whole sequence
+        out["position_ids"] = cp.shard(rule(input_ids, inputs_embeds).expand(batch, -1))
+    elif position_ids is None:
         out["position_ids"] = cp.positions(seq_len, tokens.device).expand(batch, -1)
     else:
+        check_given(cp.model_positions, position_ids)
         out["position_ids"] = cp.shard(position_ids.expand(batch, -1))
     if labels is not None or shift_labels is not None:
         targets = shift_labels if shift_labels is not None else shifted_targets(labels)
@@ -124,9 +133,9 @@ _SEGMENTS_DECIDED: Dict[int, tuple] = {}
 
 def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], local_len: int) -> Optional[torch.Tensor]:
     """Packed sequences' ids (each token's sequence start: its global index minus its position),
-    or None when each row holds one sequence. Collective over the cp group, once per position
-    ids tensor (every layer of a forward gets the same one)."""
-    if position_ids is None:
+    or None when each row holds one sequence or the model does not split rows by position ids.
+    Collective over the cp group, once per position ids tensor (every layer of a forward gets the same one)."""
+    if position_ids is None or not cp.model_positions.packed_rows:
         return None
     decided = _SEGMENTS_DECIDED.get(id(cp))
     if decided is not None and decided[0]() is position_ids and decided[1] == position_ids._version:
@@ -169,7 +178,7 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__} was not wrapped by "
                            f"parallelize(..., cp=)")
     causal = kwargs.pop("is_causal", None)  # a call's own is_causal wins over its module's, as in transformers'
-    causal = getattr(module, "is_causal", True) if causal is None else causal
+    causal = masked_causally(module) if causal is None else causal
     check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
     cp.calls.count += 1
     if position_ids is None:
@@ -198,20 +207,26 @@ def _register(recompute_core: bool) -> str:
 
 
 def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core: bool,
-                           layers: Optional[str] = None) -> None:
+                           layers: Optional[str] = None, checked: bool = False) -> None:
     """Routes every attention call of a transformers ``model`` through sharded attention over ``cp``;
     each layer of the stack at path ``layers`` must then call it (``hf_support.AttentionCalls``).
+    ``checked``: ``check_model`` ran on the whole model before a pipeline cut, and ``cp`` was made
+    with the positions it decided; else ``model`` is whole and is checked here.
 
     Raises:
         ValueError: for configurations sharded attention cannot serve (attention dropout).
         NotImplementedError: for what sharded attention cannot serve (``hf_support.check_model``).
     """
-    check_model(model, cp.size, layers)
+    if not checked:
+        cp.model_positions.__dict__.update(vars(check_model(model, cp.size, layers)))
     name = _register(recompute_core)
     for config in attention_configs(model).values():
         config._attn_implementation = name
     if layers is not None:
         cp.calls.watch(model.get_submodule(layers), layers)
+    apply_positions(model, cp)
+    apply_own_attention(model, _recomputed_attention if recompute_core else _attention)
+    mark_cross_attention(model)
     apply_halos(model, cp)
     apply_delta_rule(model, cp)
     apply_mamba2(model, cp)

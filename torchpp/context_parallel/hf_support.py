@@ -17,6 +17,8 @@ from torch import nn
 from torchpp.context_parallel.delta_rule import defines_delta_rule, delta_rule_convs
 from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
 from torchpp.context_parallel.halo import halo_conv
+from torchpp.context_parallel.own_attention import own_attention_modules, refusal as own_refusal
+from torchpp.context_parallel.positions import ModelPositions, decide_positions
 from torchpp.context_parallel.rg_lru import recurrent_block_convs
 from torchpp.context_parallel.selective_scan import defines_selective_scan, selective_scan_convs
 
@@ -34,10 +36,14 @@ def layer_type(module: nn.Module) -> Optional[str]:
     return types[index] if types is not None and isinstance(index, int) and 0 <= index < len(types) else None
 
 
-def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> None:
+def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> ModelPositions:
     """Refuses, before anything is changed, a model sharded attention cannot serve (``layers``:
-    the path of its stack of layers, where a convolution over the sequence is refused)."""
+    the path of its stack of layers, where a convolution over the sequence is refused); returns how
+    it counts its positions (``positions.ModelPositions``). Called on the whole model: every
+    pipeline rank decides alike."""
     where = f"torchpp.parallelize: cp={size}: {type(model).__name__}"
+    positions = ModelPositions()
+    decide_positions(model, where, positions)
     modeling = sys.modules.get(type(model).__module__)
     recurrent = defines_delta_rule(modeling) or defines_mamba2(modeling) or defines_selective_scan(modeling)
     # (Delta-rule and Mamba hybrids run attention through transformers' functions and their other
@@ -47,14 +53,17 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
     # attention through transformers' functions and it is given its positions (each layer calling
     # attention is then checked at the first forward).
     if not getattr(type(model), "_supports_attention_backend", True) and not recurrent:
-        if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+        if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS") and not own_attention_modules(model):
             raise NotImplementedError(f"{where} does not run its attention through transformers' attention "
                                       f"functions (attention in its own code, such as Bloom's ALiBi), so sharded "
                                       f"attention cannot replace it")
-        if "position_ids" not in inspect.signature(model.forward).parameters:
+        if own_refusal(model):
+            raise NotImplementedError(f"{where} {own_refusal(model)}")
+        # (A decoder counting its own positions is served when it hands them to embed_positions: positions.py.)
+        if "position_ids" not in inspect.signature(model.forward).parameters and not positions.from_length:
             raise NotImplementedError(f"{where} takes no position_ids: it counts its positions from the length of "
-                                      f"its input (as BART's decoders do), which on a shard of the sequence would "
-                                      f"start again at 0")
+                                      f"its input in its own code, which on a shard of the sequence would start "
+                                      f"again at 0")
     for config in attention_configs(model).values():
         unsharded = sorted(set(getattr(config, "layer_types", None) or ()) & set(UNSHARDED_MASKS))
         if unsharded:
@@ -72,10 +81,7 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> No
                 and module.kernel_size[0] > 1 and id(module) not in haloed:
             raise NotImplementedError(f"{where}: {name} convolves over the sequence (kernel {module.kernel_size[0]}), "
                                       f"which reads across the edges of a shard of the sequence")
-        if name.rpartition(".")[2] == "position_embeddings" and getattr(module, "padding_idx", None) is not None:
-            raise NotImplementedError(f"{where}: {name} counts positions from padding_idx + 1 = "
-                                      f"{module.padding_idx + 1}, derived from the tokens (RoBERTa's convention), "
-                                      f"which a shard of the sequence cannot derive")
+    return positions
 
 
 def attention_configs(model: nn.Module) -> Dict[int, object]:
@@ -89,9 +95,30 @@ def attention_configs(model: nn.Module) -> Dict[int, object]:
 UNREAD_TENSORS = ("cache_position", "labels", "num_items_in_batch", "shift_labels")
 
 
+# Where a decoder layer keeps its attention to an encoder's states (BART's, BERT's, Whisper's).
+CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "cross_attn")
+
+
+def mark_cross_attention(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in CROSS_ATTENTION_NAMES:
+            module._torchpp_cross_attention = True
+
+
+def masked_causally(module: nn.Module) -> bool:
+    """Whether a module's attention is causal: its own ``is_causal``, or a decoder's self-attention,
+    which transformers masks causally whatever its module says (BigBirdPegasus's declares False)."""
+    return bool(getattr(module, "is_causal", True)) or (
+        bool(getattr(getattr(module, "config", None), "is_decoder", False))
+        and not getattr(module, "_torchpp_cross_attention", False))
+
+
 def check_call(module: nn.Module, query, key, attention_mask, dropout, sliding_window, causal: bool, kwargs) -> None:
     """Refuses an attention call asking for what sharded attention does not implement."""
     name = type(module).__name__
+    if getattr(module, "_torchpp_cross_attention", False):
+        raise NotImplementedError(f"{PREFIX}: {name} attends to an encoder's states (cross-attention), which "
+                                  f"sharded attention does not place in the sequence; run the decoder alone")
     if key.size(2) != query.size(2):
         raise NotImplementedError(f"{PREFIX}: {name} attends {query.size(2)} queries of this rank's shard to "
                                   f"{key.size(2)} keys: it adds key/value entries of its own, which sharded attention "

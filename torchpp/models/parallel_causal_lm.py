@@ -125,9 +125,24 @@ class ParallelCausalLM(ParallelMixin):
         kwargs["use_cache"] = False  # as training runs it: transformers then honours packed position ids too
         batch = {k: kwargs.pop(k, None) for k in ("input_ids", "inputs_embeds", "labels", "shift_labels",
                                                   "position_ids", "attention_mask")}
+        if not self.loss_shifts_labels and batch["labels"] is not None:
+            return self._per_token_loss_call(cp, batch, kwargs)
         out = super().__call__(**shard_batch(cp, **batch), **kwargs)
         if getattr(out, "loss", None) is not None:
             out.loss = cp.sum_over_ranks(out.loss)
+        return out
+
+    def _per_token_loss_call(self, cp, batch, kwargs):
+        """A model whose own loss compares each token with its own label and takes the mean inline
+        (BART's causal-LM heads): its shard's mean would weigh the ranks' tokens unequally, so the
+        loss is computed here, its convention kept: this rank's labels summed over the batch's."""
+        from torchpp.context_parallel.hf import shard_batch
+
+        labels = batch.pop("labels")
+        out = super().__call__(**shard_batch(cp, **batch), **kwargs)
+        total = causal_lm_loss(out.logits, cp.shard(labels), self._lm_group(), self._logits_width(),
+                               reduction="sum", shifted=True)
+        out.loss = cp.sum_over_ranks(total / (labels != IGNORE_INDEX).sum().clamp(min=1))
         return out
 
     def _logits_width(self) -> int:
@@ -298,12 +313,15 @@ class ParallelCausalLM(ParallelMixin):
     def _shard_for_pipeline(self, cp, input_ids, labels, position_ids, attention_mask):
         """(input_ids, shifted targets, position ids, None): this rank's shard of the sequence."""
         from torchpp.context_parallel.hf import shard_batch
+        from torchpp.context_parallel.positions import check_given
 
+        if position_ids is not None:  # on every rank given them, not stage 0's alone (which would leave the rest waiting)
+            check_given(cp.model_positions, position_ids)
         if self.has_first_stage:
             batch = shard_batch(cp, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask)
             input_ids, position_ids = batch["input_ids"], batch["position_ids"]
         if self.has_last_stage and labels is not None:
-            labels = cp.shard(shift_labels(labels))
+            labels = cp.shard(shift_labels(labels) if self.loss_shifts_labels else labels)
         return input_ids, labels, position_ids, None
 
 

@@ -22,7 +22,10 @@ def apply_cp(model: nn.Module, state: WrapState, options: ContextOptions) -> nn.
         return model
     from torchpp.context_parallel.hf import ContextParallel, apply_context_parallel
 
-    state.context = ContextParallel(ps.cp_group, options.mode, options.layout)
+    if state.cp_positions is None:
+        raise RuntimeError("torchpp.parallelize: cp > 1 reached the context-parallel pass unchecked")
+    # (apply_plans checked the whole model, before the pipeline cut, and decided its positions.)
+    state.context = ContextParallel(ps.cp_group, options.mode, options.layout, model_positions=state.cp_positions)
     apply_context_parallel(model, state.context, recompute_core=False,
-                           layers=state.layout.layers if state.layout is not None else None)
+                           layers=state.layout.layers if state.layout is not None else None, checked=True)
     return model

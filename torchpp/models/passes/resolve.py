@@ -70,14 +70,14 @@ def apply_plans(model: nn.Module, state: WrapState, config: ParallelConfig) -> n
         from torchpp.models.run_order import traced_layout
 
         state.layout = traced_layout(model, state.layout)
-        if state.causal_lm:  # the pipeline computes the loss: the model's own convention
-            from torchpp.models.parallel_causal_lm import model_shifts_labels
+    if state.hf and state.causal_lm and (ps.pp > 1 or ps.cp > 1):  # torchpp computes the loss: the model's convention
+        from torchpp.models.parallel_causal_lm import model_shifts_labels
 
-            state.loss_shifts_labels = model_shifts_labels(model)
+        state.loss_shifts_labels = model_shifts_labels(model)
     if ps.cp > 1 and state.causal_lm:  # on the whole model: every pipeline rank refuses alike, before the cut
         from torchpp.context_parallel.hf_support import check_model
 
-        check_model(model, ps.cp, state.layout.layers if state.layout is not None else None)
+        state.cp_positions = check_model(model, ps.cp, state.layout.layers if state.layout is not None else None)
     state.tp_context = tp_context(model, ps, config.tensor.sequence_parallel, split_bw=ps.pp > 1)
     if ps.ep > 1 or config.experts.capacity_factor is not None:  # bad ep plans raise before anything changes
         from torchpp.expert_parallel.plan import expert_plans

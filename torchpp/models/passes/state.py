@@ -57,10 +57,13 @@ class WrapState:
         stage_costs: split="auto": the profiled per-stage F, I, W times the cost-aware
             schedules (zb-auto, zb-v) are generated on; else None.
         context: the ContextParallel of cp > 1, else None.
+        cp_positions: cp > 1: how the whole model counts its positions (context_parallel.positions),
+            decided before the pipeline cut.
         ep_context: the EPContext of ep > 1, else None.
         weights_pending: built on the meta device and not loaded yet.
         loss_shifts_labels: the model's loss is transformers' causal one (else each token's
-            logits meet its own label); read under a pipeline, whose last stage computes it.
+            logits meet its own label); read under a pipeline, whose last stage computes it, and
+            under cp, where torchpp computes a per-token loss itself.
     """
 
     parallel: ParallelState
@@ -82,6 +85,7 @@ class WrapState:
     stages: Dict[int, ModelStage] = field(default_factory=dict)
     stage_costs: Any = None
     context: Any = None
+    cp_positions: Any = None
     ep_context: Any = None
     weights_pending: bool = False
     loss_shifts_labels: bool = True
