@@ -39,12 +39,15 @@ struct Shapes {
   at::ScalarType acc_dtype;  // float for half/bfloat16 inputs, else the input dtype
   int64_t window = 0;  // sliding window: query i sees keys j with i - window < j (0: every earlier key)
   double softcap = 0.0;  // scores capped to softcap * tanh(s / softcap) (0: none); the matmul path alone
+  // ALiBi: slope_h * (key position - query position) added to head h's scores, as [1, hk, g, 1, 1]
+  // in the accumulation dtype (undefined: none); the matmul path alone.
+  at::Tensor alibi;
 };
 
 Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
                     Layout layout, int64_t group_size, bool causal, int64_t window, double softcap,
-                    const char* op_name);
+                    const std::optional<at::Tensor>& alibi_slopes, const char* op_name);
 
 // [b, hq, s, ...] -> one grouped tensor per piece, [b, hk, g * n, ...] in `dtype`.
 std::vector<at::Tensor> split_queries(const at::Tensor& t, const Shapes& shapes, at::ScalarType dtype);
@@ -61,7 +64,7 @@ struct BlockMask {
   // A sliding window cutting through the block (allowed then undefined): computed as a band of
   // query tiles window long, each against the keys its window reaches, so no [sq, sk] scores.
   int64_t window = 0;
-  int64_t q_start = 0, k_start = 0;
+  int64_t q_start = 0, k_start = 0;  // global positions of the block's first query and key (ALiBi's bias)
   at::Tensor q_segments, k_segments;  // [b, sq], [b, sk] of packed rows, or undefined
 };
 

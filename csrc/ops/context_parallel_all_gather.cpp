@@ -48,10 +48,11 @@ struct Setup {
 Setup setup(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& segment_ids,
             c10::string_view group_name, int64_t group_size, bool causal, std::optional<double> scale,
             c10::string_view layout_name, int64_t window,
-    double softcap) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   Setup s;
   s.layout = parse_layout(layout_name, kOp);
-  s.shapes = check_inputs(q, k, v, segment_ids, scale, s.layout, group_size, causal, window, softcap, kOp);
+  s.shapes =
+      check_inputs(q, k, v, segment_ids, scale, s.layout, group_size, causal, window, softcap, alibi_slopes, kOp);
   s.group = cp_group(q, std::string(group_name), group_size, kOp);
   s.mine = chunks_of(s.group->getRank(), group_size, s.layout);
   if (segment_ids.has_value() && segment_ids->defined()) {
@@ -93,8 +94,9 @@ std::tuple<at::Tensor, at::Tensor> all_gather_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& segment_ids,
     c10::string_view group_name, int64_t group_size, bool causal, std::optional<double> scale,
     c10::string_view layout_name, int64_t window,
-    double softcap) {
-  const Setup s = setup(q, k, v, segment_ids, group_name, group_size, causal, scale, layout_name, window, softcap);
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const Setup s = setup(q, k, v, segment_ids, group_name, group_size, causal, scale, layout_name, window, softcap,
+                        alibi_slopes);
   const Gathered g = gather(*s.group, k, v, segment_ids);
   const int64_t n = s.shapes.piece_len;
   auto queries = split_queries(q, s.shapes, q.scalar_type());
@@ -118,8 +120,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
     int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout_name, int64_t window,
-    double softcap) {
-  const Setup s = setup(q, k, v, segment_ids, group_name, group_size, causal, scale, layout_name, window, softcap);
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const Setup s = setup(q, k, v, segment_ids, group_name, group_size, causal, scale, layout_name, window, softcap,
+                        alibi_slopes);
   const Gathered g = gather(*s.group, k, v, segment_ids);
   const int64_t n = s.shapes.piece_len;
   auto queries = split_queries(q, s.shapes, q.scalar_type());

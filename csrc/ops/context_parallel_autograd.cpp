@@ -19,11 +19,11 @@ using torch::autograd::variable_list;
 using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                             const std::optional<at::Tensor>&, c10::string_view,
                                                             int64_t, bool, std::optional<double>, c10::string_view,
-                                                            int64_t, double);
+                                                            int64_t, double, const std::optional<at::Tensor>&);
 using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const std::optional<at::Tensor>&, c10::string_view, int64_t, bool, std::optional<double>, c10::string_view,
-    int64_t, double);
+    int64_t, double, const std::optional<at::Tensor>&);
 
 struct Ring {
   static constexpr const char* name = "ring_attention";
@@ -84,15 +84,16 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
                             const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
                             int64_t group_size, bool causal, std::optional<double> scale,
                             c10::string_view layout, int64_t window, const std::optional<at::Tensor>& sinks,
-                            double softcap) {
+                            double softcap, const std::optional<at::Tensor>& alibi_slopes) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] =
-        forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, softcap);
+    auto [out, lse] = forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout,
+                                              window, softcap, alibi_slopes);
     if (has(sinks)) {
       check_sinks(q, *sinks, Mode::name);
       std::tie(out, lse) = fold_sinks(out, lse, *sinks);
     }
-    ctx->save_for_backward({q, k, v, out, lse, segment_ids.value_or(at::Tensor()), sinks.value_or(at::Tensor())});
+    ctx->save_for_backward({q, k, v, out, lse, segment_ids.value_or(at::Tensor()), sinks.value_or(at::Tensor()),
+                            alibi_slopes.value_or(at::Tensor())});
     ctx->saved_data["group_name"] = std::string(group_name);
     ctx->saved_data["group_size"] = group_size;
     ctx->saved_data["causal"] = causal;
@@ -110,16 +111,17 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
     const auto& scale_value = ctx->saved_data["scale"];
     std::optional<double> scale = scale_value.isNone() ? std::nullopt : std::optional<double>(scale_value.toDouble());
     std::optional<at::Tensor> segment_ids = saved[5].defined() ? std::optional<at::Tensor>(saved[5]) : std::nullopt;
+    std::optional<at::Tensor> alibi_slopes = saved[7].defined() ? std::optional<at::Tensor>(saved[7]) : std::nullopt;
     // Every rank of the group must take part in the exchange, even one whose output got no gradient.
     auto grad_out = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
     auto [dq, dk, dv] = backward_op<Mode>().call(grad_out, saved[0], saved[1], saved[2], saved[3], saved[4],
                                                   segment_ids, group_name, ctx->saved_data["group_size"].toInt(),
                                                   ctx->saved_data["causal"].toBool(), scale, layout,
                                                   ctx->saved_data["window"].toInt(),
-                                                  ctx->saved_data["softcap"].toDouble());
+                                                  ctx->saved_data["softcap"].toDouble(), alibi_slopes);
     auto dsinks = saved[6].defined() ? sinks_grad(grad_out, saved[3], saved[4], saved[6]) : at::Tensor();
     return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), dsinks, at::Tensor()};
+            at::Tensor(), dsinks, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -127,9 +129,10 @@ template <class Mode>
 at::Tensor attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
                               int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout,
-                              int64_t window, const std::optional<at::Tensor>& sinks, double softcap) {
+                              int64_t window, const std::optional<at::Tensor>& sinks, double softcap,
+                              const std::optional<at::Tensor>& alibi_slopes) {
   return Attention<Mode>::apply(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, sinks,
-                                softcap);
+                                softcap, alibi_slopes);
 }
 
 // Without autograd: the forward op's output (sinks folded in) alone.
@@ -137,9 +140,10 @@ template <class Mode>
 at::Tensor attention_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
                              int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout,
-                             int64_t window, const std::optional<at::Tensor>& sinks, double softcap) {
-  auto [out, lse] =
-      forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, softcap);
+                             int64_t window, const std::optional<at::Tensor>& sinks, double softcap,
+                             const std::optional<at::Tensor>& alibi_slopes) {
+  auto [out, lse] = forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout,
+                                            window, softcap, alibi_slopes);
   if (!has(sinks)) {
     return out;
   }
@@ -156,20 +160,21 @@ at::ScalarType acc_dtype(const at::Tensor& q) {
 
 at::Tensor attention_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                           c10::string_view, int64_t, bool, std::optional<double>, c10::string_view, int64_t,
-                          const std::optional<at::Tensor>&, double) {
+                          const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&) {
   return at::empty_like(q);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                                 const std::optional<at::Tensor>&, c10::string_view, int64_t, bool,
-                                                std::optional<double>, c10::string_view, int64_t, double) {
+                                                std::optional<double>, c10::string_view, int64_t, double,
+                                                const std::optional<at::Tensor>&) {
   return {at::empty_like(q), at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(acc_dtype(q)))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_fake(
     const at::Tensor&, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view, int64_t, bool, std::optional<double>,
-    c10::string_view, int64_t, double) {
+    c10::string_view, int64_t, double, const std::optional<at::Tensor>&) {
   return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
 }
 

@@ -36,7 +36,7 @@ std::vector<int64_t> chunks_of(int64_t rank, int64_t world, Layout layout) {
 Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const std::optional<at::Tensor>& segment_ids, std::optional<double> scale,
                     Layout layout, int64_t group_size, bool causal, int64_t window, double softcap,
-                    const char* op_name) {
+                    const std::optional<at::Tensor>& alibi_slopes, const char* op_name) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "torchpp.", op_name,
               ": query, key and value must be [batch, heads, s_local, head_dim], got shapes ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
@@ -84,9 +84,20 @@ Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "torchpp.", op_name,
               ": softcap must be positive and finite (0: none), got ", softcap);
   shapes.softcap = softcap;
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    const auto& slopes = *alibi_slopes;
+    TORCH_CHECK(slopes.dim() == 1 && slopes.size(0) == shapes.q_heads && at::isFloatingType(slopes.scalar_type()) &&
+                    slopes.device() == q.device(),
+                "torchpp.", op_name, ": alibi_slopes must hold one floating slope per query head on the query's "
+                "device, [", shapes.q_heads, "], got ", slopes.sizes(), " ", slopes.scalar_type(), " on ",
+                slopes.device());
+  }
   shapes.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(shapes.head_dim));
   const auto dtype = q.scalar_type();
   shapes.acc_dtype = (dtype == at::kHalf || dtype == at::kBFloat16) ? at::kFloat : dtype;
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    shapes.alibi = alibi_slopes->to(shapes.acc_dtype).view({1, shapes.kv_heads, shapes.groups, 1, 1});
+  }
   return shapes;
 }
 
@@ -124,6 +135,8 @@ at::Tensor join_queries(const std::vector<at::Tensor>& pieces, const Shapes& sha
 BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal, int64_t window,
                      const at::Tensor& q_segments, const at::Tensor& k_segments, c10::Device device) {
   BlockMask mask;
+  mask.q_start = q_start;
+  mask.k_start = k_start;
   const int64_t q_last = q_start + sq - 1, k_last = k_start + sk - 1;
   if ((causal && k_start > q_last) || (window > 0 && q_start - k_last >= window)) {
     mask.skip = true;  // every key lies after every query, or behind every query's window
@@ -138,8 +151,6 @@ BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, b
   }
   if (partly_behind) {  // the band: tiles build their own masks
     mask.window = window;
-    mask.q_start = q_start;
-    mask.k_start = k_start;
     mask.q_segments = packed ? q_segments : at::Tensor();
     mask.k_segments = packed ? k_segments : at::Tensor();
     return mask;
@@ -172,7 +183,8 @@ at::Tensor mask_tensor(const BlockMask& mask, int64_t sq, int64_t sk, c10::Devic
   return at::ones({sq, sk}, at::TensorOptions().dtype(at::kBool).device(device)).tril().view({1, 1, 1, sq, sk});
 }
 
-// q k^T * scale, capped to softcap * tanh(s / softcap) where asked, with disallowed keys at -inf:
+// q k^T * scale, capped to softcap * tanh(s / softcap) where asked, plus ALiBi's slope * (j - i) where
+// asked (j, i: the key's and the query's global positions), with disallowed keys at -inf:
 // [b, hk, g * sq, sk]. cap_slope, where given, receives the cap's derivative 1 - tanh^2 (unmasked).
 at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes,
                   at::Tensor* cap_slope = nullptr) {
@@ -185,6 +197,12 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const BlockMask& mas
     s.mul_(shapes.softcap);
   }
   const int64_t sq = q.size(2) / shapes.groups, sk = s.size(-1);
+  if (shapes.alibi.defined()) {
+    auto opts = s.options();
+    auto distance = at::arange(mask.k_start, mask.k_start + sk, opts).view({1, sk}) -
+                    at::arange(mask.q_start, mask.q_start + sq, opts).view({sq, 1});
+    s.view({s.size(0), s.size(1), shapes.groups, sq, sk}).add_(shapes.alibi * distance);
+  }
   auto allowed = mask_tensor(mask, sq, sk, q.device());
   if (allowed.defined()) {
     s.view({s.size(0), s.size(1), shapes.groups, sq, sk})
@@ -242,6 +260,8 @@ std::vector<Tile> band_tiles(const BlockMask& band, int64_t sq, int64_t sk, c10:
     auto q_pos = at::arange(band.q_start + r0, band.q_start + r1, opts).view({r1 - r0, 1});
     auto k_pos = at::arange(band.k_start + c0, band.k_start + c1, opts).view({1, c1 - c0});
     BlockMask mask;
+    mask.q_start = band.q_start + r0;
+    mask.k_start = band.k_start + c0;
     mask.allowed = k_pos.le(q_pos).logical_and_(q_pos.sub(k_pos).lt(w)).view({1, 1, 1, r1 - r0, c1 - c0});
     if (band.q_segments.defined()) {
       const int64_t b = band.q_segments.size(0);

@@ -2,7 +2,7 @@
 // merge needs and never hold a block's [sq, sk] scores: memory O(s) per block. Device-generic:
 // the kernels are reached through the dispatcher, so no CUDA header is included here.
 //
-// Scores capped by a softcap take the matmul path (no fused kernel reached here caps them).
+// Scores capped by a softcap or biased by ALiBi take the matmul path (no fused kernel reached here does either).
 //
 // Masks: ring blocks (zigzag or contiguous) and the all-gather's split prefix are all-visible,
 // empty (skipped before this point) or the square diagonal block, whose causal mask is the
@@ -116,8 +116,8 @@ const char* kernel_name(BlockKernel kernel) {
 }
 
 BlockKernel choose_kernel(const at::Tensor& q, const at::Tensor& k, const BlockMask& mask, const Shapes& shapes) {
-  if (mask.allowed.defined() || shapes.softcap > 0 || kernel_forced("matmul")) {
-    return BlockKernel::Matmul;  // a mask the kernels cannot take without an [sq, sk] tensor, or capped scores
+  if (mask.allowed.defined() || shapes.softcap > 0 || shapes.alibi.defined() || kernel_forced("matmul")) {
+    return BlockKernel::Matmul;  // a mask the kernels cannot take without an [sq, sk] tensor, capped or biased scores
   }
   const auto q_heads = per_head(q, shapes);
   const bool gqa = shapes.groups > 1;

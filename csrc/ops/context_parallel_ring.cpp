@@ -144,9 +144,10 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& segment_ids,
     c10::string_view group_name, int64_t group_size, bool causal, std::optional<double> scale,
     c10::string_view layout_name, int64_t window,
-    double softcap) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const Layout layout = parse_layout(layout_name, kOp);
-  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, causal, window, softcap, kOp);
+  const Shapes shapes =
+      check_inputs(q, k, v, segment_ids, scale, layout, group_size, causal, window, softcap, alibi_slopes, kOp);
   Ring ring = make_ring(q, group_name, group_size);
   const at::Tensor segments = gather_segments(ring, segment_ids);
   auto queries = split_queries(q, shapes, q.scalar_type());
@@ -182,9 +183,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
     int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout_name, int64_t window,
-    double softcap) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const Layout layout = parse_layout(layout_name, kOp);
-  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, layout, group_size, causal, window, softcap, kOp);
+  const Shapes shapes =
+      check_inputs(q, k, v, segment_ids, scale, layout, group_size, causal, window, softcap, alibi_slopes, kOp);
   Ring ring = make_ring(q, group_name, group_size);
   const at::Tensor segments = gather_segments(ring, segment_ids);
   auto queries = split_queries(q, shapes, q.scalar_type());

@@ -37,28 +37,31 @@ TORCH_LIBRARY_FRAGMENT(torchpp, m) {
   // holds chunks r and 2c-1-r of 2c) or "contiguous"; segment_ids [b, s_local] keep packed sequences apart;
   // window > 0: query i sees keys j > i - window (causal); sinks [hq]: one extra logit per head in
   // each softmax's denominator, attending to nothing (GPT-OSS's attention sinks); softcap > 0: scores
-  // capped to softcap * tanh(s / softcap) before the softmax (Gemma 2).
+  // capped to softcap * tanh(s / softcap) before the softmax (Gemma 2); alibi_slopes [hq]: slope_h * (j - i)
+  // added to head h's score of query i for key j, by global position (ALiBi: Bloom, MPT).
   m.def("ring_attention(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, int group_size, "
         "bool causal=True, float? scale=None, str layout=\"zigzag\", int window=0, Tensor? sinks=None, "
-        "float softcap=0.) -> Tensor");
+        "float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
   // The same with keys/values all-gathered once (backward: gathered again, gradients reduce-scattered).
   m.def("all_gather_attention(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
         "int group_size, bool causal=True, float? scale=None, str layout=\"zigzag\", int window=0, "
-        "Tensor? sinks=None, float softcap=0.) -> Tensor");
+        "Tensor? sinks=None, float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
   // Their halves (without sinks): the output and log-sum-exp [b, hq, s_local] (float for 16-bit inputs) ...
   m.def("ring_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
-        "int group_size, bool causal, float? scale, str layout, int window=0, float softcap=0.) "
-        "-> (Tensor out, Tensor lse)");
+        "int group_size, bool causal, float? scale, str layout, int window=0, float softcap=0., "
+        "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   m.def("all_gather_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
-        "int group_size, bool causal, float? scale, str layout, int window=0, float softcap=0.) "
-        "-> (Tensor out, Tensor lse)");
+        "int group_size, bool causal, float? scale, str layout, int window=0, float softcap=0., "
+        "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   // ... and the gradients of query, key and value from the output's gradient.
   m.def("ring_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
         "Tensor? segment_ids, str group_name, int group_size, bool causal, float? scale, str layout, int window=0, "
-        "float softcap=0.) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+        "float softcap=0., Tensor? alibi_slopes=None) -> (Tensor grad_query, Tensor grad_key, "
+        "Tensor grad_value)");
   m.def("all_gather_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
         "Tensor lse, Tensor? segment_ids, str group_name, int group_size, bool causal, float? scale, str layout, "
-        "int window=0, float softcap=0.) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+        "int window=0, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor grad_query, Tensor grad_key, "
+        "Tensor grad_value)");
 }
 
 // ---- Expert parallel: routed tokens to the ranks holding their experts (all-to-all) and back ----

@@ -41,17 +41,19 @@ def _segments(seq_len: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _reference(q, k, v, grad, causal, segments, window=None, sinks=None, softcap=None):
-    """Full-sequence attention: SDPA, or with a window, sinks or a score cap softmax written out (a
-    sink is one more logit per head in the denominator; capped scores are softcap * tanh(s / softcap),
-    as Gemma 2's): output, then the gradients of q, k, v (and sinks)."""
+def _reference(q, k, v, grad, causal, segments, window=None, sinks=None, softcap=None, alibi=None):
+    """Full-sequence attention: SDPA, or with a window, sinks, a score cap or ALiBi softmax written
+    out (a sink is one more logit per head in the denominator; capped scores are softcap *
+    tanh(s / softcap), as Gemma 2's; ALiBi adds slope_h * key index, as Bloom's, which differs
+    from the op's slope_h * (j - i) by a constant per row): output, then the gradients of q, k, v
+    (and sinks)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     mask = None
     if segments is not None:
         mask = segments[:, None, :, None] == segments[:, None, None, :]
         if causal:
             mask = mask & torch.ones(q.size(2), q.size(2), dtype=torch.bool).tril()
-    if window is None and sinks is None and softcap is None:
+    if window is None and sinks is None and softcap is None and alibi is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                              enable_gqa=True)
         return (out.detach(), *torch.autograd.grad(out, (q, k, v), grad))
@@ -66,6 +68,8 @@ def _reference(q, k, v, grad, causal, segments, window=None, sinks=None, softcap
     scores = q @ keys.transpose(-1, -2) / q.size(-1) ** 0.5
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi is not None:
+        scores = scores + alibi.view(1, -1, 1, 1) * position.view(1, 1, 1, s)
     scores = scores.masked_fill(~allowed, float("-inf"))
     inputs = (q, k, v)
     if sinks is not None:
@@ -83,14 +87,16 @@ RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.device("cpu"), dtype=torch.float64,
-                window=None, sinks=False, softcap=None):
+                window=None, sinks=False, softcap=None, alibi=False):
     """The sharded attention on `device` in `dtype` against full-sequence attention in float64 (on
     the same inputs, rounded to `dtype`); with `sinks`, their gradient summed over the ranks."""
     group = dist.group.WORLD
     q, k, v, grad = (t.to(dtype).double() for t in _inputs(seq_len, kv_heads))
     segments = _segments(seq_len) if packed else None
     sink_logits = torch.linspace(-1.0, 2.0, HEADS, dtype=dtype).double() if sinks else None
-    expected = _reference(q, k, v, grad, causal, segments, window, sink_logits, softcap)
+    # ALiBi's slopes as Bloom's for 4 heads (2^-2, 2^-4, ...), steep enough to reshape the softmax.
+    slopes = 2.0 ** -(2.0 * torch.arange(1, HEADS + 1, dtype=torch.float64)) if alibi else None
+    expected = _reference(q, k, v, grad, causal, segments, window, sink_logits, softcap, slopes)
     shard = lambda t: shard_sequence(t, group, dim=2, layout=layout)  # noqa: E731
     local = lambda t: shard(t).to(device, dtype)  # noqa: E731
     ql, kl, vl = (local(t).requires_grad_() for t in (q, k, v))
@@ -101,7 +107,8 @@ def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.de
         inputs += (local_sinks,)
     local_segments = shard_sequence(segments, group, dim=1, layout=layout).to(device) if packed else None
     out = attention(ql, kl, vl, group, causal=causal, mode=mode, layout=layout, segment_ids=local_segments,
-                    window=window, sinks=local_sinks, softcap=softcap)
+                    window=window, sinks=local_sinks, softcap=softcap,
+                    alibi_slopes=None if slopes is None else slopes.to(device, dtype))
     got = [out.detach(), *torch.autograd.grad(out, inputs, local(grad))]
     if sinks:  # each rank's queries' share
         dist.all_reduce(got[4], group=group)
@@ -111,8 +118,8 @@ def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.de
         assert mine.dtype == dtype, f"{name} came back in {mine.dtype}"
         error = (mine.cpu().double() - (full if name == "dsinks" else shard(full))).abs().max().item()
         assert error <= tol, (f"{mode} {layout} causal={causal} packed={packed} kv_heads={kv_heads} window={window} "
-                             f"sinks={sinks} softcap={softcap} {dtype} on {device}: {name} off by {error} "
-                             f"(tolerance {tol})")
+                             f"sinks={sinks} softcap={softcap} alibi={alibi} {dtype} on {device}: {name} off by "
+                             f"{error} (tolerance {tol})")
     if dtype == torch.float64:
         assert (unshard_sequence(out.detach(), group, dim=2, layout=layout).cpu() - expected[0]).abs().max() < TOL
 
@@ -149,6 +156,13 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
     for mode in ("ring", "all-gather"):
         _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
                     dtype=dtype, window=chunk + 1, sinks=True, softcap=1.0)
+    # ALiBi (Bloom, MPT): causal and full, grouped and multi-query heads, on packed rows and with a window.
+    for mode, layout, causal in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"), (True, False)):
+        _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False, device=device,
+                    dtype=dtype, alibi=True)
+    for mode in ("ring", "all-gather"):
+        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
+                    dtype=dtype, window=chunk + 1, alibi=True)
     return True
 
 
@@ -218,7 +232,7 @@ BLOCK_KERNELS = {"flash_cpu": "aten::_scaled_dot_product_flash_attention_for_cpu
 
 
 def _kernels_used(packed: bool, kernel: str = "flash_cpu", device=torch.device("cpu"),
-                  dtype=torch.float64, kv_heads: int = 2, softcap=None) -> dict:
+                  dtype=torch.float64, kv_heads: int = 2, softcap=None, alibi: bool = False) -> dict:
     """Profiler counts of a block kernel's forward and backward in one forward + backward of ring
     attention."""
     group = dist.group.WORLD
@@ -226,7 +240,8 @@ def _kernels_used(packed: bool, kernel: str = "flash_cpu", device=torch.device("
     segments = shard_sequence(_segments(q.size(2)), group, dim=1).to(device) if packed else None
     ql, kl, vl = (shard_sequence(t, group, dim=2).requires_grad_() for t in (q, k, v))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = attention(ql, kl, vl, group, causal=True, segment_ids=segments, softcap=softcap)
+        slopes = torch.full((HEADS,), 0.25, device=device, dtype=dtype) if alibi else None
+        out = attention(ql, kl, vl, group, causal=True, segment_ids=segments, softcap=softcap, alibi_slopes=slopes)
         out.backward(shard_sequence(grad, group, dim=2))
     names = [event.name for event in prof.events()]
     return {kind: sum(name == f"{BLOCK_KERNELS[kernel]}{kind}" for name in names) for kind in ("", "_backward")}
@@ -237,6 +252,7 @@ def check_block_kernels():
     assert flash[""] > 0 and flash["_backward"] > 0, f"unmasked blocks did not run the flash kernel: {flash}"
     assert sum(_kernels_used(packed=True).values()) == 0, "packed blocks need their mask: matmul path"
     assert sum(_kernels_used(packed=False, softcap=2.0).values()) == 0, "capped scores take the matmul path"
+    assert sum(_kernels_used(packed=False, alibi=True).values()) == 0, "ALiBi's biased scores take the matmul path"
     os.environ["TORCHPP_CP_KERNEL"] = "matmul"
     try:
         forced = _kernels_used(packed=False)

@@ -16,7 +16,7 @@ started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and 
 Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid, Zamba2).
 Models counting their own positions (RoBERTa's from the tokens, BART's decoders from the length)
 read the whole sequence's, at cp=2, cp=4 and cp=2 x pp=2; models computing attention in their
-own code (Falcon, GPT-Neo) have their softmax routed to sharded attention."""
+own code (Falcon, GPT-Neo, Bloom and MPT with ALiBi) have their softmax routed to sharded attention."""
 import pytest
 import torch
 
@@ -141,15 +141,21 @@ def test_own_positions_at_cp4_and_with_pp(ranks, dims):
 
 
 def check_own_attention_code():
-    """Falcon (rotary; multi-query and the new decoder architecture's grouped heads) and GPT-Neo
-    (unscaled scores, local layers a window of 5 here) compute attention in their own code; their
-    softmax is routed to sharded attention. GPT-Neo computes its scores in float32 whatever the
-    model's dtype: its cases run in float32, at float32's tolerance."""
-    neo = dict(plan="auto", dtype=torch.float32, window_size=5)
+    """Falcon (rotary; multi-query and the new decoder architecture's grouped heads), GPT-Neo
+    (unscaled scores, local layers a window of 5 here), Bloom and MPT (ALiBi: the op's slopes;
+    Bloom with 3 heads too, slopes not powers of 2) compute attention in their own code; their
+    softmax is routed to sharded attention. GPT-Neo computes its scores in float32, Bloom and MPT
+    their softmax, whatever the model's dtype: their cases run in float32, at float32's tolerance."""
+    fp32 = dict(plan="auto", dtype=torch.float32)
     done = {"falcon packed": check_cp("falcon", plan="auto", packed=True),
             "falcon new architecture": check_cp("falcon", plan="auto", new_decoder_architecture=True, num_kv_heads=2),
-            "gpt_neo packed": check_cp("gpt_neo", packed=True, **neo),
-            "gpt_neo all-gather contiguous": check_cp("gpt_neo", mode="all-gather", layout="contiguous", **neo)}
+            "gpt_neo packed": check_cp("gpt_neo", packed=True, window_size=5, **fp32),
+            "gpt_neo all-gather contiguous": check_cp("gpt_neo", mode="all-gather", layout="contiguous", window_size=5,
+                                                      **fp32),
+            "bloom": check_cp("bloom", **fp32), "bloom 3 heads": check_cp("bloom", n_head=3, hidden_size=48, **fp32),
+            "mpt all-gather contiguous": check_cp("mpt", mode="all-gather", layout="contiguous", **fp32)}
+    with pytest.raises(ValueError, match=r"BloomForCausalLM counts its positions from its input's length"):
+        check_cp("bloom", packed=True, **fp32)  # its biases count keys by index: packed rows are refused
     with pytest.raises(NotImplementedError, match=r"FalconForCausalLM uses ALiBi \(config\.alibi\)"):
         check_cp("falcon", plan="auto", alibi=True)
     return done
@@ -157,21 +163,25 @@ def check_own_attention_code():
 
 def test_cp2_attention_in_the_models_own_code(ranks):
     results = ranks(2).run(check_own_attention_code, timeout=TIMEOUT_S)
-    assert all(len(r) == 4 and all("grads on this rank" in d for d in r.values()) for r in results), results
+    assert all(len(r) == 7 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
 def check_own_attention_code_at(dims: str):
     if dims == "cp4":  # windows of 3 over eight chunks of 2 tokens
         return [check_cp("gpt_neo", cp=4, plan="auto", dtype=torch.float32, window_size=3),
-                check_cp("falcon", cp=4, plan="auto", packed=True)]
+                check_cp("falcon", cp=4, plan="auto", packed=True), check_cp("bloom", cp=4, plan="auto",
+                                                                              dtype=torch.float32)]
+    # Under tp each rank's ALiBi slopes are its heads' (read from the bias rows the model cut to them).
     return [check_cp("falcon", tp=2, plan="auto"), check_cp("falcon", pp=2, plan="auto", packed=True),
-            check_cp("gpt_neo", tp=2, plan="auto", dtype=torch.float32, window_size=5, recompute="selective")]
+            check_cp("gpt_neo", tp=2, plan="auto", dtype=torch.float32, window_size=5, recompute="selective"),
+            check_cp("bloom", tp=2, plan="auto", dtype=torch.float32), check_cp("mpt", pp=2, plan="auto",
+                                                                                   dtype=torch.float32)]
 
 
 @pytest.mark.parametrize("dims", ["cp4", "cp2xtp2_pp2"])
 def test_own_attention_code_at_cp4_and_with_tp_pp(ranks, dims):
     results = ranks(4).run(check_own_attention_code_at, dims, timeout=TIMEOUT_S)
-    assert len(results) == 4 and all(len(r) == (2 if dims == "cp4" else 3) for r in results), results
+    assert len(results) == 4 and all(len(r) == (3 if dims == "cp4" else 5) for r in results), results
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),

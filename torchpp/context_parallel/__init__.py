@@ -137,6 +137,7 @@ def attention(
     window: Optional[int] = None,
     sinks: Optional[torch.Tensor] = None,
     softcap: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Softmax attention of this rank's query shard to the whole (sharded) sequence.
 
@@ -164,6 +165,8 @@ def attention(
         softcap: scores capped to ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's
             attention logit softcapping); such blocks run on matmul + softmax, the fused kernels
             having no cap. None: uncapped.
+        alibi_slopes: [heads] ALiBi (Bloom, MPT): ``slope_h * (j - i)`` added to head h's score of
+            query i for key j, by global position; such blocks run on matmul + softmax. None: no bias.
 
     Returns:
         [b, heads, s_local, d], this rank's shard of the output.
@@ -181,4 +184,4 @@ def attention(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"torchpp.context_parallel.attention: softcap must be positive (None: none), got {softcap}")
     return op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout, window or 0, sinks,
-              softcap or 0.0)
+              softcap or 0.0, alibi_slopes)

@@ -169,10 +169,11 @@ def _chunk_ids(cp: ContextParallel, segments: Optional[torch.Tensor], position_i
 
 
 def _attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-               sliding_window=None, softcap=None, position_ids=None, s_aux=None, **kwargs):
+               sliding_window=None, softcap=None, position_ids=None, s_aux=None, alibi_slopes=None, **kwargs):
     """transformers' attention-function interface over torchpp.context_parallel.attention: causal
     (or not, by the module's ``is_causal``), sliding windows, attention sinks, capped scores and
-    Llama 4's chunked layers; packed rows told apart by their position ids. What it cannot shard raises."""
+    Llama 4's chunked layers (and ALiBi slopes, from own_attention's adapters); packed rows told
+    apart by their position ids. What it cannot shard raises."""
     cp: Optional[ContextParallel] = getattr(module, "torchpp_cp", None)
     if cp is None:
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__} was not wrapped by "
@@ -187,7 +188,8 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)
     out = attention(query, key, value, cp.group, causal=causal, scale=scaling, mode=cp.mode, layout=cp.layout,
-                    segment_ids=segments, window=sliding_window, sinks=s_aux, softcap=softcap)
+                    segment_ids=segments, window=sliding_window, sinks=s_aux, softcap=softcap,
+                    alibi_slopes=alibi_slopes)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -7,12 +7,18 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
   ``config.window_size``; its scores are computed in float32 whatever the model's dtype.
 - Falcon with rotary positions (``FalconAttention.forward``): multi-query, grouped and the new
   decoder architecture's heads; Falcon with ALiBi (``config.alibi``) is refused.
+- Bloom and MPT (ALiBi): their per-head slopes, read from the bias rows the model built for this
+  rank's heads, become the op's ``alibi_slopes`` (``slope * (j - i)`` by global position, which
+  equals their ``slope * j`` up to a constant per query row, which the softmax ignores). Both
+  compute their softmax in float32 whatever the model's dtype.
 """
 from __future__ import annotations
 
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -46,14 +52,83 @@ def _falcon(module: nn.Module) -> None:
     module.forward = forward
 
 
-# Attention classes by name -> how their softmax is routed (flash variants subclass them).
-ADAPTERS: Dict[str, Callable[[nn.Module], None]] = {
-    "GPTNeoSelfAttention": _gpt_neo,
-    "FalconAttention": _falcon,
+def alibi_slopes(bias_rows: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """[heads] slopes from a model's ALiBi rows [heads, L] (slope * (j + c) for key j): their
+    step from one key to the next. The rows are this rank's heads' under tensor parallelism."""
+    if bias_rows.size(-1) < 2:
+        raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__}'s ALiBi bias spans one key "
+                                  f"on this rank; its slopes need two (a shard of at least 2 tokens)")
+    return bias_rows[:, 1] - bias_rows[:, 0]
+
+
+def _bloom(module: nn.Module) -> None:
+    dropout_add = sys.modules[type(module).__module__].dropout_add
+
+    def forward(hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        batch, length = hidden_states.shape[:2]
+        query, key, value = module._reshape(module.query_key_value(hidden_states))
+        slopes = alibi_slopes(alibi.view(batch, module.num_heads, -1)[0], module)
+        out, _ = module._torchpp_cp_attention(module, query, key, value, attention_mask,
+                                               scaling=module.inv_norm_factor, alibi_slopes=slopes,
+                                               position_ids=kwargs.get("position_ids"))
+        context = out.reshape(batch, length, module.num_heads * module.head_dim)
+        if module.pretraining_tp > 1 and module.slow_but_exact:  # the dense in slices, as the module sums them
+            width = module.hidden_size // module.pretraining_tp
+            output = sum(F.linear(context[..., i * width:(i + 1) * width], module.dense.weight[:, i * width:(i + 1) * width])
+                         for i in range(module.pretraining_tp)) + module.dense.bias
+        else:
+            output = module.dense(context)
+        return dropout_add(output, residual, module.hidden_dropout, module.training), None
+    module.forward = forward
+
+
+class _NoMask:
+    """What MPT's model turns into a boolean mask (``create_causal_mask(...).to(torch.bool)``) when
+    transformers builds none, as under cp: stays none."""
+
+    def to(self, *args, **kwargs):
+        return None
+
+
+def _mask_or_placeholder(create_causal_mask: Callable) -> Callable:
+    def create(*args, **kwargs):
+        mask = create_causal_mask(*args, **kwargs)
+        return _NoMask() if mask is None else mask
+    create._torchpp_placeholder = True
+    return create
+
+
+def _mpt(module: nn.Module) -> None:
+    modeling = sys.modules[type(module).__module__]
+    if not getattr(modeling.create_causal_mask, "_torchpp_placeholder", False):
+        modeling.create_causal_mask = _mask_or_placeholder(modeling.create_causal_mask)
+
+    def forward(hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
+        batch, length = hidden_states.shape[:2]
+        qkv = module.Wqkv(hidden_states)
+        if module.clip_qkv:
+            qkv = qkv.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+        query, key, value = (t.reshape(batch, length, module.n_heads, module.head_dim).transpose(1, 2)
+                             for t in qkv.chunk(3, dim=2))
+        slopes = None if position_bias is None else alibi_slopes(position_bias[:, 0], module)
+        out, _ = module._torchpp_cp_attention(module, query, key, value, attention_mask, scaling=module.softmax_scale,
+                                               alibi_slopes=slopes, position_ids=kwargs.get("position_ids"))
+        return module.out_proj(out.reshape(batch, length, -1)), None
+    module.forward = forward
+
+
+# Attention classes by name -> how their softmax is routed (flash variants subclass them), and
+# whether an ALiBi bias gives it the positions (counted by key index: no position ids read).
+ADAPTERS: Dict[str, Tuple[Callable[[nn.Module], None], bool]] = {
+    "GPTNeoSelfAttention": (_gpt_neo, False),
+    "FalconAttention": (_falcon, False),
+    "BloomAttention": (_bloom, True),
+    "MptAttention": (_mpt, True),
 }
 
 
-def _adapter(module: nn.Module):
+def _entry(module: nn.Module) -> Optional[Tuple[Callable[[nn.Module], None], bool]]:
     for cls in type(module).__mro__:
         if cls.__name__ in ADAPTERS:
             return ADAPTERS[cls.__name__]
@@ -62,13 +137,17 @@ def _adapter(module: nn.Module):
 
 def own_attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(path, module) of the attention modules of ``model`` that ``apply_own_attention`` routes."""
-    return [(name, module) for name, module in model.named_modules() if _adapter(module) is not None]
+    return [(name, module) for name, module in model.named_modules() if _entry(module) is not None]
 
 
 def refusal(model: nn.Module) -> str:
     """Why a model with routed attention still cannot be served ('' when it can)."""
-    if getattr(model.config, "alibi", False) and own_attention_modules(model):
-        return "uses ALiBi (config.alibi), whose position bias sharded attention does not implement"
+    modules = own_attention_modules(model)
+    if getattr(model.config, "alibi", False) and any(type(m).__name__.startswith("Falcon") for _, m in modules):
+        return "uses ALiBi (config.alibi) in Falcon's attention, which builds its bias into the mask"
+    dropout = max((float(getattr(m, "attn_dropout_p", 0.0) or 0.0) for _, m in modules), default=0.0)
+    if dropout:
+        return f"has attention dropout {dropout}, which sharded attention does not implement"
     return ""
 
 
@@ -77,5 +156,20 @@ def apply_own_attention(model: nn.Module, attention: Callable) -> None:
     interface; the cp one)."""
     for _, module in own_attention_modules(model):
         if not hasattr(module, "_torchpp_cp_attention"):
-            _adapter(module)(module)
+            _entry(module)[0](module)
         module._torchpp_cp_attention = attention
+
+
+def uses_alibi(model: nn.Module) -> bool:
+    """Whether the model's routed attention is biased by ALiBi (Bloom's, MPT's): by key index."""
+    return any(_entry(module)[1] for _, module in own_attention_modules(model))
+
+
+def weights_no_longer_returned(extras: Dict[int, Tuple[bool, ...]]) -> None:
+    """A pipeline layout's record of the tensors each layer returns besides its hidden states
+    (``PipelineLayout.extras``, traced on the unwrapped model), told that routed attention returns
+    no attention weights: the blocks of these families return nothing else, so a stage hands on
+    none (stages on either side of a cut read the same record)."""
+    for index, kinds in extras.items():
+        extras[index] = tuple(False for _ in kinds)
+

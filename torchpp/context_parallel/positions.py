@@ -28,7 +28,8 @@ class ModelPositions:
 
     # Full-batch (input_ids, inputs_embeds) -> [b, s] position ids, used when the caller gives none.
     rule: Optional[PositionRule] = None
-    # The model counts 0..s-1 itself (a position-ids argument would not be read as positions).
+    # The model counts 0..s-1 itself (a position-ids argument would not be read as positions): BART's
+    # decoders' embed_positions, ALiBi's biases.
     from_length: bool = False
     # Whether position ids that restart split a row into packed sequences (as transformers' masks do
     # for the models that pass them the position ids).
@@ -72,9 +73,10 @@ def _tokens_rule(embeddings: nn.Module) -> PositionRule:
     return rule
 
 
-def decide_positions(model: nn.Module, where: str, positions: ModelPositions) -> None:
+def decide_positions(model: nn.Module, where: str, positions: ModelPositions, alibi: bool = False) -> None:
     """Fills ``positions`` for the whole ``model`` (before the pipeline cut, so that every rank
-    decides alike) or refuses embeddings that derive positions in a way not said.
+    decides alike) or refuses embeddings that derive positions in a way not said. ``alibi``: the
+    model's attention biases count key positions by index (Bloom, MPT).
 
     Raises:
         NotImplementedError: naming the embeddings (``where`` prefixes the message).
@@ -89,7 +91,9 @@ def decide_positions(model: nn.Module, where: str, positions: ModelPositions) ->
                                       f"given to a shard")
         positions.rule = positions.rule or _tokens_rule(embeddings)
         positions.packed_rows = False
-    if length_counters(model) and "position_ids" not in inspect.signature(model.forward).parameters:
+    # (ALiBi models, Bloom's and MPT's, count by index in their biases alike: positions.py's callers.)
+    counts_itself = bool(length_counters(model)) or alibi
+    if counts_itself and "position_ids" not in inspect.signature(model.forward).parameters:
         positions.from_length = True
         positions.packed_rows = False
 

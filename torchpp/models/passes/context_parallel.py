@@ -21,6 +21,7 @@ def apply_cp(model: nn.Module, state: WrapState, options: ContextOptions) -> nn.
     if ps.cp == 1:
         return model
     from torchpp.context_parallel.hf import ContextParallel, apply_context_parallel
+    from torchpp.context_parallel.own_attention import own_attention_modules, weights_no_longer_returned
 
     if state.cp_positions is None:
         raise RuntimeError("torchpp.parallelize: cp > 1 reached the context-parallel pass unchecked")
@@ -28,4 +29,6 @@ def apply_cp(model: nn.Module, state: WrapState, options: ContextOptions) -> nn.
     state.context = ContextParallel(ps.cp_group, options.mode, options.layout, model_positions=state.cp_positions)
     apply_context_parallel(model, state.context, recompute_core=False,
                            layers=state.layout.layers if state.layout is not None else None, checked=True)
+    if state.layout is not None and own_attention_modules(model):  # every stage holds such layers, or none does
+        weights_no_longer_returned(state.layout.extras)
     return model
