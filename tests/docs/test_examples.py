@@ -195,31 +195,36 @@ def test_schedules_page_controllable_memory_example_prints_its_numbers(tmp_path)
                                                           "zb-v", "23.0", "0.007", "159.0"]
 
 
-@pytest.mark.parametrize("script", [
-    "train_ptdp.py",   # a GPT, pp=2 x tp=2, zb-h1
-    "train_llama.py",  # the README's demo: a tiny Llama, pp=2 x tp=2, zb-h1
-])
-def test_example_trains_and_writes_its_trace(tmp_path, script):
-    out = tmp_path / "run"
-    output = run([os.path.join(ROOT, "examples", script), "--steps", "4", "--out", str(out)], tmp_path, nproc=4)
+def _assert_trained_with_trace(output: str, out, steps: int, llama: bool) -> None:
     found = losses(output)
-    assert sorted(found) == [1, 2, 3, 4], output[-2000:]
-    assert found[4] < found[1], found
+    assert sorted(found) == list(range(1, steps + 1)), output[-2000:]
+    assert found[steps] < found[1], found
     trace = json.loads((out / "trace.json").read_text())
     assert {event["pid"] for event in trace["traceEvents"]} == {0, 1, 2, 3}  # every rank's timeline, one file
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if script == "train_llama.py":  # the measured bubble next to the simulator's from the measured costs
+    if llama:  # the measured bubble next to the simulator's from the measured costs
         assert re.search(r"measured bubble ratio \(last step\) [\d.]+; simulator from the measured per-stage "
                          r"costs [\d.]+ \(ms per stage: F [\d.]+ I [\d.]+ W [\d.]+", output), output[-2000:]
         assert "\r" not in output, output[-2000:]  # no bar redrawn over the step lines in a log
 
 
-def test_llama_demo_saves_a_checkpoint_it_can_start_from(tmp_path):
-    """--save-hf writes what --init-from (a meta-device model, each rank loading its shards)
-    starts from: the fine-tune's first loss is the trained model's, below the random start's."""
+def test_example_trains_and_writes_its_trace(tmp_path):
+    """A GPT, pp=2 x tp=2, zb-h1 (the README's demo, a Llama, is checked alike below)."""
+    out = tmp_path / "run"
+    output = run([os.path.join(ROOT, "examples", "train_ptdp.py"), "--steps", "4", "--out", str(out)], tmp_path,
+                 nproc=4)
+    _assert_trained_with_trace(output, out, 4, llama=False)
+
+
+def test_llama_demo_trains_writes_its_trace_and_a_checkpoint_it_can_start_from(tmp_path):
+    """The README's demo (a tiny Llama, pp=2 x tp=2, zb-h1) trains and writes its trace, timeline
+    and measured bubble; --save-hf writes what --init-from (a meta-device model, each rank loading
+    its shards) starts from: the fine-tune's first loss is the trained model's, below the random
+    start's."""
     saved = tmp_path / "hf"
     first = run([os.path.join(ROOT, "examples", "train_llama.py"), "--steps", "6", "--save-hf", str(saved),
                  "--out", str(tmp_path / "a")], tmp_path, nproc=4)
+    _assert_trained_with_trace(first, tmp_path / "a", 6, llama=True)
     assert (saved / "config.json").is_file() and (saved / "model.safetensors.index.json").is_file()
     second = run([os.path.join(ROOT, "examples", "train_llama.py"), "--steps", "1", "--init-from", str(saved),
                   "--out", str(tmp_path / "b")], tmp_path, nproc=4)
