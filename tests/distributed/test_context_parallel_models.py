@@ -122,24 +122,6 @@ def check_own_positions():
     return done
 
 
-def test_cp2_models_counting_their_own_positions(ranks):
-    results = ranks(2).run(check_own_positions, timeout=TIMEOUT_S)
-    assert all(len(r) == 7 and all("grads on this rank" in d for d in r.values()) for r in results), results
-
-
-def check_own_positions_at(dims: str):
-    if dims == "cp4":  # RoBERTa's count carried over eight chunks
-        return [check_cp("xlm-roberta", cp=4, plan="auto"), check_cp("pegasus", cp=4, plan="auto")]
-    # Stage 1 holds no position embeddings: what the model counts is decided on the whole model.
-    return [check_cp("roberta", pp=2, plan="auto"), check_cp("bart", pp=2, schedule="1f1b", plan="auto")]
-
-
-@pytest.mark.parametrize("dims", ["cp4", "cp2xpp2"])
-def test_own_positions_at_cp4_and_with_pp(ranks, dims):
-    results = ranks(4).run(check_own_positions_at, dims, timeout=TIMEOUT_S)
-    assert len(results) == 4 and all(len(r) == 2 for r in results), results
-
-
 def check_own_attention_code():
     """Falcon (rotary; multi-query and the new decoder architecture's grouped heads), GPT-Neo
     (unscaled scores, local layers a window of 5 here), Bloom and MPT (ALiBi: the op's slopes;
@@ -161,27 +143,33 @@ def check_own_attention_code():
     return done
 
 
-def test_cp2_attention_in_the_models_own_code(ranks):
-    results = ranks(2).run(check_own_attention_code, timeout=TIMEOUT_S)
-    assert all(len(r) == 7 and all("grads on this rank" in d for d in r.values()) for r in results), results
+def check_outside_attention_functions():
+    return {**check_own_positions(), **check_own_attention_code()}
 
 
-def check_own_attention_code_at(dims: str):
-    if dims == "cp4":  # windows of 3 over eight chunks of 2 tokens
-        return [check_cp("gpt_neo", cp=4, plan="auto", dtype=torch.float32, window_size=3),
-                check_cp("falcon", cp=4, plan="auto", packed=True), check_cp("bloom", cp=4, plan="auto",
-                                                                              dtype=torch.float32)]
+def test_cp2_models_counting_positions_or_attending_in_their_own_code(ranks):
+    results = ranks(2).run(check_outside_attention_functions, timeout=TIMEOUT_S)
+    assert all(len(r) == 14 and all("grads on this rank" in d for d in r.values()) for r in results), results
+
+
+def check_outside_attention_functions_at(dims: str):
+    fp32 = dict(plan="auto", dtype=torch.float32)
+    if dims == "cp4":  # RoBERTa's count carried over eight chunks; windows of 3 over chunks of 2 tokens
+        return [check_cp("xlm-roberta", cp=4, plan="auto"), check_cp("pegasus", cp=4, plan="auto"),
+                check_cp("gpt_neo", cp=4, window_size=3, **fp32), check_cp("falcon", cp=4, plan="auto", packed=True),
+                check_cp("bloom", cp=4, **fp32)]
+    if dims == "cp2xpp2":  # stage 1 holds no position embeddings: what the model counts is decided on the whole model
+        return [check_cp("roberta", pp=2, plan="auto"), check_cp("bart", pp=2, schedule="1f1b", plan="auto"),
+                check_cp("falcon", pp=2, plan="auto", packed=True), check_cp("mpt", pp=2, **fp32)]
     # Under tp each rank's ALiBi slopes are its heads' (read from the bias rows the model cut to them).
-    return [check_cp("falcon", tp=2, plan="auto"), check_cp("falcon", pp=2, plan="auto", packed=True),
-            check_cp("gpt_neo", tp=2, plan="auto", dtype=torch.float32, window_size=5, recompute="selective"),
-            check_cp("bloom", tp=2, plan="auto", dtype=torch.float32), check_cp("mpt", pp=2, plan="auto",
-                                                                                   dtype=torch.float32)]
+    return [check_cp("falcon", tp=2, plan="auto"), check_cp("bloom", tp=2, **fp32),
+            check_cp("gpt_neo", tp=2, window_size=5, recompute="selective", **fp32)]
 
 
-@pytest.mark.parametrize("dims", ["cp4", "cp2xtp2_pp2"])
-def test_own_attention_code_at_cp4_and_with_tp_pp(ranks, dims):
-    results = ranks(4).run(check_own_attention_code_at, dims, timeout=TIMEOUT_S)
-    assert len(results) == 4 and all(len(r) == (3 if dims == "cp4" else 5) for r in results), results
+@pytest.mark.parametrize("dims", ["cp4", "cp2xpp2", "cp2xtp2"])
+def test_outside_attention_functions_at_cp4_and_with_tp_pp(ranks, dims):
+    results = ranks(4).run(check_outside_attention_functions_at, dims, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all(len(r) == {"cp4": 5, "cp2xpp2": 4, "cp2xtp2": 3}[dims] for r in results), results
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),
