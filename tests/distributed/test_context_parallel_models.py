@@ -123,7 +123,7 @@ def check_own_positions():
 
 def check_own_attention_code():
     """Falcon (rotary; multi-query and the new decoder architecture's grouped heads), GPT-Neo
-    (unscaled scores, local layers a window of 5 here), Bloom and MPT (ALiBi: the op's slopes;
+    (unscaled scores, local layers a window of 5 here), GPT-NeoX-Japanese, Bloom and MPT (ALiBi: the op's slopes;
     Bloom with 3 heads too, slopes not powers of 2) compute attention in their own code; their
     softmax is routed to sharded attention. GPT-Neo computes its scores in float32, Bloom and MPT
     their softmax, whatever the model's dtype: their cases run in float32, at float32's tolerance."""
@@ -131,6 +131,7 @@ def check_own_attention_code():
     done = {"falcon packed": check_cp("falcon", plan="auto", packed=True),
             "falcon new architecture": check_cp("falcon", plan="auto", new_decoder_architecture=True, num_kv_heads=2),
             "gpt_neo packed": check_cp("gpt_neo", packed=True, window_size=5, **fp32),
+            "gpt_neox_japanese packed": check_cp("gpt_neox_japanese", plan="auto", packed=True),
             "gpt_neo all-gather contiguous": check_cp("gpt_neo", mode="all-gather", layout="contiguous", window_size=5,
                                                       **fp32),
             "bloom": check_cp("bloom", **fp32), "bloom 3 heads": check_cp("bloom", n_head=3, hidden_size=48, **fp32),
@@ -148,7 +149,7 @@ def check_outside_attention_functions():
 
 def test_cp2_models_counting_positions_or_attending_in_their_own_code(ranks):
     results = ranks(2).run(check_outside_attention_functions, timeout=TIMEOUT_S)
-    assert all(len(r) == 12 and all("grads on this rank" in d for d in r.values()) for r in results), results
+    assert all(len(r) == 13 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
 def check_outside_attention_functions_at(dims: str):

@@ -36,6 +36,10 @@
   a decoder's self-attention is now causal). Packed rows, which those models' masks do not split,
   are refused for the decoders that count from the length.
 
+- OpenAI GPT's activations are module instances every model of the type shares: wrapping one
+  model tagged them with its cp group, and the next model could not be copied. Only modules
+  with weights are tagged now.
+
 And what hung or split at cp x pp: a CP refusal raised only on the pipeline stage holding the
 offending layer (the others went on into the next collective), positions and carried outputs
 decided by one stage alone (RoBERTa, MPT), and tied embeddings at cp x pp (the two end stages' group left cp
@@ -68,14 +72,26 @@ def test_chunked_layers_and_packed_rows_without_position_ids(ranks):
 def _own_attention_code():
     state = torchpp.init_parallel(cp=2)
     # (Bloom's, the case first met, is routed since: own_attention.py.)
-    with pytest.raises(NotImplementedError, match="OpenAIGPTLMHeadModel does not run its attention through "
+    with pytest.raises(NotImplementedError, match="RoFormerForCausalLM does not run its attention through "
                                                   "transformers' attention functions"):
-        parallelize(tiny_model("openai-gpt"), state=state, plan="auto")
+        parallelize(tiny_model("roformer"), state=state, plan="auto")
     return "refused"
 
 
 def test_a_model_computing_attention_itself_is_refused(ranks):
     assert ranks(2).run(_own_attention_code, timeout=TIMEOUT_S) == ["refused"] * 2
+
+
+def _two_models_sharing_modules():
+    # OpenAI GPT's activations are module instances shared by every model of the type: wrapping one
+    # model under cp tagged them with its group, and the next model could not be copied (pickling a
+    # ProcessGroup). Only modules with weights are tagged now.
+    return [check_cp("openai-gpt", plan="auto"), check_cp("openai-gpt", plan="auto", packed=True)]
+
+
+def test_a_second_model_wraps_after_one_that_shares_its_modules(ranks):
+    done = ranks(2).run(_two_models_sharing_modules, timeout=TIMEOUT_S)
+    assert all(len(d) == 2 and all("grads on this rank" in r for r in d) for d in done), done
 
 
 class RunningMean(nn.Module):

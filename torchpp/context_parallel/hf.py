@@ -237,6 +237,8 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     apply_lightning(model, cp)
     record = _record_positions(cp)
     for module in model.modules():  # the attention function gets its module: each one knows the group
+        if next(module.parameters(), None) is None:
+            continue  # (a module without weights may be shared with other models: OpenAI GPT's activations)
         module.torchpp_cp = cp
         if "position_ids" in inspect.signature(module.forward).parameters and \
                 not getattr(module, "_torchpp_records_positions", False):  # (the recompute pass applies this again)

@@ -17,7 +17,8 @@ from torch import nn
 from torchpp.context_parallel.delta_rule import defines_delta_rule, delta_rule_convs
 from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
 from torchpp.context_parallel.halo import halo_conv
-from torchpp.context_parallel.own_attention import own_attention_modules, refusal as own_refusal, uses_alibi
+from torchpp.context_parallel.own_attention import (counts_keys_by_index, own_attention_modules, refusal as own_refusal,
+                                                     splits_packed_rows)
 from torchpp.context_parallel.positions import ModelPositions, decide_positions
 from torchpp.context_parallel.rg_lru import recurrent_block_convs
 from torchpp.context_parallel.selective_scan import defines_selective_scan, selective_scan_convs
@@ -43,7 +44,8 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
     pipeline rank decides alike."""
     where = f"torchpp.parallelize: cp={size}: {type(model).__name__}"
     positions = ModelPositions()
-    decide_positions(model, where, positions, alibi=uses_alibi(model))
+    decide_positions(model, where, positions, alibi=counts_keys_by_index(model))
+    positions.packed_rows = positions.packed_rows and splits_packed_rows(model)
     modeling = sys.modules.get(type(model).__module__)
     recurrent = defines_delta_rule(modeling) or defines_mamba2(modeling) or defines_selective_scan(modeling)
     # (Delta-rule and Mamba hybrids run attention through transformers' functions and their other

@@ -5,6 +5,8 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
 
 - GPT-Neo (``GPTNeoSelfAttention._attn``): unscaled scores, local layers a causal window of
   ``config.window_size``; its scores are computed in float32 whatever the model's dtype.
+  GPT-NeoX-Japanese's and OpenAI GPT's ``_attn`` likewise (OpenAI GPT's mask does not split
+  packed rows, so neither does sharded attention for it).
 - Falcon with rotary positions (``FalconAttention.forward``): multi-query, grouped and the new
   decoder architecture's heads; Falcon with ALiBi (``config.alibi``) is refused.
 - Bloom and MPT (ALiBi): their per-head slopes, read from the bias rows the model built for this
@@ -15,6 +17,7 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -33,6 +36,23 @@ def _gpt_neo(module: nn.Module) -> None:
         out, _ = module._torchpp_cp_attention(module, query, key, value, attention_mask, scaling=1.0,
                                                sliding_window=window)
         return out.transpose(1, 2), None  # back to [b, heads, s, d], as _merge_heads takes it
+    module._attn = _attn
+
+
+def _gpt_neox_japanese(module: nn.Module) -> None:
+    def _attn(query, key, value, attention_mask=None):
+        out, _ = module._torchpp_cp_attention(module, query, key, value, attention_mask,
+                                               scaling=1.0 / module.norm_factor)
+        return out.transpose(1, 2), None
+    module._attn = _attn
+
+
+def _openai_gpt(module: nn.Module) -> None:
+    def _attn(q, k, v, attention_mask=None, output_attentions=False):
+        # (its keys come transposed, [b, heads, d, s]; scores scaled by 1/sqrt(d) where module.scale)
+        out, _ = module._torchpp_cp_attention(module, q, k.transpose(-1, -2), v, attention_mask,
+                                               scaling=None if module.scale else 1.0)
+        return [out.transpose(1, 2)] + ([None] if output_attentions else [])
     module._attn = _attn
 
 
@@ -75,8 +95,9 @@ def _bloom(module: nn.Module) -> None:
         context = out.reshape(batch, length, module.num_heads * module.head_dim)
         if module.pretraining_tp > 1 and module.slow_but_exact:  # the dense in slices, as the module sums them
             width = module.hidden_size // module.pretraining_tp
-            output = sum(F.linear(context[..., i * width:(i + 1) * width], module.dense.weight[:, i * width:(i + 1) * width])
-                         for i in range(module.pretraining_tp)) + module.dense.bias
+            parts = [slice(i * width, (i + 1) * width) for i in range(module.pretraining_tp)]
+            output = sum(F.linear(context[..., part], module.dense.weight[:, part]) for part in parts)
+            output = output + module.dense.bias
         else:
             output = module.dense(context)
         return dropout_add(output, residual, module.hidden_dropout, module.training), None
@@ -118,26 +139,37 @@ def _mpt(module: nn.Module) -> None:
     module.forward = forward
 
 
-# Attention classes by name -> how their softmax is routed (flash variants subclass them), and
-# whether an ALiBi bias gives it the positions (counted by key index: no position ids read).
-ADAPTERS: Dict[str, Tuple[Callable[[nn.Module], None], bool]] = {
-    "GPTNeoSelfAttention": (_gpt_neo, False),
-    "FalconAttention": (_falcon, False),
-    "BloomAttention": (_bloom, True),
-    "MptAttention": (_mpt, True),
+@dataclass(frozen=True)
+class Family:
+    """How a family's attention is routed, and what its masks say about positions."""
+
+    adapt: Callable[[nn.Module], None]
+    counts_keys_by_index: bool = False  # an ALiBi bias gives the positions: no position ids read
+    splits_packed_rows: bool = True  # its mask tells packed rows apart by position ids
+
+
+# Attention classes by name (flash variants subclass them).
+FAMILIES: Dict[str, Family] = {
+    "GPTNeoSelfAttention": Family(_gpt_neo),
+    "GPTNeoXJapaneseAttention": Family(_gpt_neox_japanese),
+    "Attention": Family(_openai_gpt, splits_packed_rows=False),  # OpenAI GPT's (modeling_openai: checked below)
+    "FalconAttention": Family(_falcon),
+    "BloomAttention": Family(_bloom, counts_keys_by_index=True),
+    "MptAttention": Family(_mpt, counts_keys_by_index=True),
 }
 
 
-def _entry(module: nn.Module) -> Optional[Tuple[Callable[[nn.Module], None], bool]]:
+def _family(module: nn.Module) -> Optional[Family]:
     for cls in type(module).__mro__:
-        if cls.__name__ in ADAPTERS:
-            return ADAPTERS[cls.__name__]
+        family = FAMILIES.get(cls.__name__)
+        if family is not None and (cls.__name__ != "Attention" or cls.__module__.endswith(".modeling_openai")):
+            return family
     return None
 
 
 def own_attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(path, module) of the attention modules of ``model`` that ``apply_own_attention`` routes."""
-    return [(name, module) for name, module in model.named_modules() if _entry(module) is not None]
+    return [(name, module) for name, module in model.named_modules() if _family(module) is not None]
 
 
 def refusal(model: nn.Module) -> str:
@@ -145,7 +177,9 @@ def refusal(model: nn.Module) -> str:
     modules = own_attention_modules(model)
     if getattr(model.config, "alibi", False) and any(type(m).__name__.startswith("Falcon") for _, m in modules):
         return "uses ALiBi (config.alibi) in Falcon's attention, which builds its bias into the mask"
-    dropout = max((float(getattr(m, "attn_dropout_p", 0.0) or 0.0) for _, m in modules), default=0.0)
+    # (MPT keeps its attention dropout as a number, OpenAI GPT as a module; the others' configs are checked.)
+    dropout = max((float(getattr(m, "attn_dropout_p", 0.0) or getattr(getattr(m, "attn_dropout", None), "p", 0.0))
+                   for _, m in modules), default=0.0)
     if dropout:
         return f"has attention dropout {dropout}, which sharded attention does not implement"
     return ""
@@ -156,13 +190,18 @@ def apply_own_attention(model: nn.Module, attention: Callable) -> None:
     interface; the cp one)."""
     for _, module in own_attention_modules(model):
         if not hasattr(module, "_torchpp_cp_attention"):
-            _entry(module)[0](module)
+            _family(module).adapt(module)
         module._torchpp_cp_attention = attention
 
 
-def uses_alibi(model: nn.Module) -> bool:
+def counts_keys_by_index(model: nn.Module) -> bool:
     """Whether the model's routed attention is biased by ALiBi (Bloom's, MPT's): by key index."""
-    return any(_entry(module)[1] for _, module in own_attention_modules(model))
+    return any(_family(module).counts_keys_by_index for _, module in own_attention_modules(model))
+
+
+def splits_packed_rows(model: nn.Module) -> bool:
+    """Whether the model's own attention code tells packed rows apart (OpenAI GPT's does not)."""
+    return all(_family(module).splits_packed_rows for _, module in own_attention_modules(model))
 
 
 def weights_no_longer_returned(extras: Dict[int, Tuple[bool, ...]]) -> None:

@@ -65,7 +65,8 @@ def length_counters(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 def _tokens_rule(embeddings: nn.Module) -> PositionRule:
     # The class's own functions and the padding index: not the module, which stage 0 alone keeps.
-    from_ids, from_embeds = embeddings.create_position_ids_from_input_ids, embeddings.create_position_ids_from_inputs_embeds
+    from_ids = embeddings.create_position_ids_from_input_ids
+    from_embeds = embeddings.create_position_ids_from_inputs_embeds
     padding_idx = embeddings.padding_idx
 
     def rule(input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
