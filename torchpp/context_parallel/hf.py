@@ -36,7 +36,7 @@ from torchpp.context_parallel.own_attention import apply_own_attention
 from torchpp.context_parallel.positions import ModelPositions, apply_positions, check_given
 from torchpp.context_parallel.rg_lru import apply_rg_lru
 from torchpp.context_parallel.selective_scan import apply_selective_scan
-from torchpp.context_parallel.hf_support import (AttentionCalls, attention_configs, check_call, check_model, layer_type,
+from torchpp.context_parallel.hf_support import (AttentionCalls, attention_configs, check_call, layer_type,
                                                 mark_cross_attention, masked_causally)
 
 IGNORE_INDEX = -100
@@ -209,18 +209,12 @@ def _register(recompute_core: bool) -> str:
 
 
 def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core: bool,
-                           layers: Optional[str] = None, checked: bool = False) -> None:
-    """Routes every attention call of a transformers ``model`` through sharded attention over ``cp``;
-    each layer of the stack at path ``layers`` must then call it (``hf_support.AttentionCalls``).
-    ``checked``: ``check_model`` ran on the whole model before a pipeline cut, and ``cp`` was made
-    with the positions it decided; else ``model`` is whole and is checked here.
-
-    Raises:
-        ValueError: for configurations sharded attention cannot serve (attention dropout).
-        NotImplementedError: for what sharded attention cannot serve (``hf_support.check_model``).
+                           layers: Optional[str] = None) -> None:
+    """Routes every attention call of a transformers ``model`` (this rank's stages of it) through
+    sharded attention over ``cp``; each layer of the stack at path ``layers`` must then call it
+    (``hf_support.AttentionCalls``). ``hf_support.check_model`` has run on the whole model, before
+    any pipeline cut, and ``cp`` carries the positions it decided (``model_positions``).
     """
-    if not checked:
-        cp.model_positions.__dict__.update(vars(check_model(model, cp.size, layers)))
     name = _register(recompute_core)
     for config in attention_configs(model).values():
         config._attn_implementation = name

@@ -28,7 +28,7 @@ def apply_cp(model: nn.Module, state: WrapState, options: ContextOptions) -> nn.
     # (apply_plans checked the whole model, before the pipeline cut, and decided its positions.)
     state.context = ContextParallel(ps.cp_group, options.mode, options.layout, model_positions=state.cp_positions)
     apply_context_parallel(model, state.context, recompute_core=False,
-                           layers=state.layout.layers if state.layout is not None else None, checked=True)
+                           layers=state.layout.layers if state.layout is not None else None)
     if state.layout is not None and own_attention_modules(model):  # every stage holds such layers, or none does
         weights_no_longer_returned(state.layout.extras)
     return model

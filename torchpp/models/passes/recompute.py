@@ -25,7 +25,7 @@ def apply_recompute(model: nn.Module, state: WrapState, mode: Optional[str]) -> 
             from torchpp.context_parallel.hf import apply_context_parallel
 
             apply_context_parallel(model, state.context, recompute_core=True,
-                                   layers=state.layout.layers if state.layout is not None else None, checked=True)
+                                   layers=state.layout.layers if state.layout is not None else None)
         else:
             from torchpp.models.attention import wrap_attention
 
