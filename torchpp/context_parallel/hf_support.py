@@ -43,9 +43,10 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
     it counts its positions (``positions.ModelPositions``). Called on the whole model: every
     pipeline rank decides alike."""
     where = f"torchpp.parallelize: cp={size}: {type(model).__name__}"
+    own = own_attention_modules(model)
     positions = ModelPositions()
-    decide_positions(model, where, positions, alibi=counts_keys_by_index(model))
-    positions.packed_rows = positions.packed_rows and splits_packed_rows(model)
+    decide_positions(model, where, positions, alibi=counts_keys_by_index(own),
+                     splits_packed_rows=splits_packed_rows(own))
     modeling = sys.modules.get(type(model).__module__)
     recurrent = defines_delta_rule(modeling) or defines_mamba2(modeling) or defines_selective_scan(modeling)
     # (Delta-rule and Mamba hybrids run attention through transformers' functions and their other
@@ -55,12 +56,13 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
     # attention through transformers' functions and it is given its positions (each layer calling
     # attention is then checked at the first forward).
     if not getattr(type(model), "_supports_attention_backend", True) and not recurrent:
-        if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS") and not own_attention_modules(model):
+        if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS") and not own:
             raise NotImplementedError(f"{where} does not run its attention through transformers' attention "
                                       f"functions (attention in its own code, such as Bloom's ALiBi), so sharded "
                                       f"attention cannot replace it")
-        if own_refusal(model):
-            raise NotImplementedError(f"{where} {own_refusal(model)}")
+        refused = own_refusal(own, model.config)
+        if refused:
+            raise NotImplementedError(f"{where} {refused}")
         # (A decoder counting its own positions is served when it hands them to embed_positions: positions.py.)
         if "position_ids" not in inspect.signature(model.forward).parameters and not positions.from_length:
             raise NotImplementedError(f"{where} takes no position_ids: it counts its positions from the length of "

@@ -146,23 +146,24 @@ class Family:
     adapt: Callable[[nn.Module], None]
     counts_keys_by_index: bool = False  # an ALiBi bias gives the positions: no position ids read
     splits_packed_rows: bool = True  # its mask tells packed rows apart by position ids
+    alibi_in_mask: bool = False  # config.alibi puts an ALiBi bias into the mask, which cp does not build
 
 
-# Attention classes by name (flash variants subclass them).
+# Attention classes by modeling module and name (flash variants subclass them).
 FAMILIES: Dict[str, Family] = {
-    "GPTNeoSelfAttention": Family(_gpt_neo),
-    "GPTNeoXJapaneseAttention": Family(_gpt_neox_japanese),
-    "Attention": Family(_openai_gpt, splits_packed_rows=False),  # OpenAI GPT's (modeling_openai: checked below)
-    "FalconAttention": Family(_falcon),
-    "BloomAttention": Family(_bloom, counts_keys_by_index=True),
-    "MptAttention": Family(_mpt, counts_keys_by_index=True),
+    "modeling_gpt_neo.GPTNeoSelfAttention": Family(_gpt_neo),
+    "modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention": Family(_gpt_neox_japanese),
+    "modeling_openai.Attention": Family(_openai_gpt, splits_packed_rows=False),
+    "modeling_falcon.FalconAttention": Family(_falcon, alibi_in_mask=True),
+    "modeling_bloom.BloomAttention": Family(_bloom, counts_keys_by_index=True),
+    "modeling_mpt.MptAttention": Family(_mpt, counts_keys_by_index=True),
 }
 
 
 def _family(module: nn.Module) -> Optional[Family]:
     for cls in type(module).__mro__:
-        family = FAMILIES.get(cls.__name__)
-        if family is not None and (cls.__name__ != "Attention" or cls.__module__.endswith(".modeling_openai")):
+        family = FAMILIES.get(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}")
+        if family is not None:
             return family
     return None
 
@@ -172,11 +173,10 @@ def own_attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if _family(module) is not None]
 
 
-def refusal(model: nn.Module) -> str:
-    """Why a model with routed attention still cannot be served ('' when it can)."""
-    modules = own_attention_modules(model)
-    if getattr(model.config, "alibi", False) and any(type(m).__name__.startswith("Falcon") for _, m in modules):
-        return "uses ALiBi (config.alibi) in Falcon's attention, which builds its bias into the mask"
+def refusal(modules: List[Tuple[str, nn.Module]], config) -> str:
+    """Why a model whose routed attention ``modules`` are these still cannot be served ('' when it can)."""
+    if getattr(config, "alibi", False) and any(_family(m).alibi_in_mask for _, m in modules):
+        return "uses ALiBi (config.alibi) built into its attention mask, which sharded attention does not build"
     # (MPT keeps its attention dropout as a number, OpenAI GPT as a module; the others' configs are checked.)
     dropout = max((float(getattr(m, "attn_dropout_p", 0.0) or getattr(getattr(m, "attn_dropout", None), "p", 0.0))
                    for _, m in modules), default=0.0)
@@ -194,14 +194,14 @@ def apply_own_attention(model: nn.Module, attention: Callable) -> None:
         module._torchpp_cp_attention = attention
 
 
-def counts_keys_by_index(model: nn.Module) -> bool:
-    """Whether the model's routed attention is biased by ALiBi (Bloom's, MPT's): by key index."""
-    return any(_family(module).counts_keys_by_index for _, module in own_attention_modules(model))
+def counts_keys_by_index(modules: List[Tuple[str, nn.Module]]) -> bool:
+    """Whether routed attention ``modules`` are biased by ALiBi (Bloom's, MPT's): by key index."""
+    return any(_family(module).counts_keys_by_index for _, module in modules)
 
 
-def splits_packed_rows(model: nn.Module) -> bool:
-    """Whether the model's own attention code tells packed rows apart (OpenAI GPT's does not)."""
-    return all(_family(module).splits_packed_rows for _, module in own_attention_modules(model))
+def splits_packed_rows(modules: List[Tuple[str, nn.Module]]) -> bool:
+    """Whether routed attention ``modules`` tell packed rows apart (OpenAI GPT's do not)."""
+    return all(_family(module).splits_packed_rows for _, module in modules)
 
 
 def weights_no_longer_returned(extras: Dict[int, Tuple[bool, ...]]) -> None:

@@ -74,15 +74,18 @@ def _tokens_rule(embeddings: nn.Module) -> PositionRule:
     return rule
 
 
-def decide_positions(model: nn.Module, where: str, positions: ModelPositions, alibi: bool = False) -> None:
+def decide_positions(model: nn.Module, where: str, positions: ModelPositions, alibi: bool = False,
+                     splits_packed_rows: bool = True) -> None:
     """Fills ``positions`` for the whole ``model`` (before the pipeline cut, so that every rank
     decides alike) or refuses embeddings that derive positions in a way not said. ``alibi``: the
-    model's attention biases count key positions by index (Bloom, MPT).
+    model's attention biases count key positions by index (Bloom, MPT); ``splits_packed_rows``:
+    its attention code tells packed rows apart (OpenAI GPT's does not).
 
     Raises:
         NotImplementedError: naming the embeddings (``where`` prefixes the message).
     """
     positions.owner = type(model).__name__
+    positions.packed_rows = splits_packed_rows
     for name, embeddings in token_derived_embeddings(model):
         if not derives_positions(embeddings):
             raise NotImplementedError(f"{where}: {name}.position_embeddings has padding_idx "
