@@ -20,12 +20,12 @@ TOL = 1e-10
 BATCH, HEADS, HEAD_DIM = 2, 4, 8
 
 
-def _inputs(seq_len: int, kv_heads: int):
+def _inputs(seq_len: int, kv_heads: int, value_dim: int = HEAD_DIM):
     g = torch.Generator().manual_seed(7)
     q = torch.randn(BATCH, HEADS, seq_len, HEAD_DIM, generator=g, dtype=torch.float64)
     k = torch.randn(BATCH, kv_heads, seq_len, HEAD_DIM, generator=g, dtype=torch.float64)
-    v = torch.randn(BATCH, kv_heads, seq_len, HEAD_DIM, generator=g, dtype=torch.float64)
-    grad = torch.randn(BATCH, HEADS, seq_len, HEAD_DIM, generator=g, dtype=torch.float64)
+    v = torch.randn(BATCH, kv_heads, seq_len, value_dim, generator=g, dtype=torch.float64)
+    grad = torch.randn(BATCH, HEADS, seq_len, value_dim, generator=g, dtype=torch.float64)
     return q, k, v, grad
 
 
@@ -87,11 +87,11 @@ RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.device("cpu"), dtype=torch.float64,
-                window=None, sinks=False, softcap=None, alibi=False):
+                window=None, sinks=False, softcap=None, alibi=False, value_dim=HEAD_DIM):
     """The sharded attention on `device` in `dtype` against full-sequence attention in float64 (on
     the same inputs, rounded to `dtype`); with `sinks`, their gradient summed over the ranks."""
     group = dist.group.WORLD
-    q, k, v, grad = (t.to(dtype).double() for t in _inputs(seq_len, kv_heads))
+    q, k, v, grad = (t.to(dtype).double() for t in _inputs(seq_len, kv_heads, value_dim))
     segments = _segments(seq_len) if packed else None
     sink_logits = torch.linspace(-1.0, 2.0, HEADS, dtype=dtype).double() if sinks else None
     # ALiBi's slopes as Bloom's for 4 heads (2^-2, 2^-4, ...), steep enough to reshape the softmax.
@@ -118,7 +118,8 @@ def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.de
         assert mine.dtype == dtype, f"{name} came back in {mine.dtype}"
         error = (mine.cpu().double() - (full if name == "dsinks" else shard(full))).abs().max().item()
         assert error <= tol, (f"{mode} {layout} causal={causal} packed={packed} kv_heads={kv_heads} window={window} "
-                             f"sinks={sinks} softcap={softcap} alibi={alibi} {dtype} on {device}: {name} off by "
+                             f"sinks={sinks} softcap={softcap} alibi={alibi} value_dim={value_dim} {dtype} on "
+                             f"{device}: {name} off by "
                              f"{error} (tolerance {tol})")
     if dtype == torch.float64:
         assert (unshard_sequence(out.detach(), group, dim=2, layout=layout).cpu() - expected[0]).abs().max() < TOL
@@ -163,6 +164,11 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
     for mode in ("ring", "all-gather"):
         _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
                     dtype=dtype, window=chunk + 1, alibi=True)
+    # Values narrower (with a window and sinks) and wider (packed rows) than the keys, as MLA's.
+    for mode, value_dim in (("ring", HEAD_DIM - 3), ("all-gather", HEAD_DIM + 4)):
+        _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=True, packed=value_dim > HEAD_DIM,
+                    device=device, dtype=dtype, window=chunk + 1 if value_dim < HEAD_DIM else None,
+                    sinks=value_dim < HEAD_DIM, value_dim=value_dim)
     return True
 
 

@@ -8,8 +8,9 @@ unwrapped model in float64: loss, logits (gathered over cp), every gradient afte
 DistributedOptimizer's reduction over the dp-cp group, and one SGD step
 (torchpp.testing.model_checks.check_cp). Sliding windows, attention sinks (GPT-OSS, also at cp=2
 x tp=2 and x pp=2) and Llama 4's chunked layers too. Bad inputs raise on every rank naming the
-value; what sharded attention cannot do (sparse indexed attention, compressed key/value entries)
-raises naming it. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
+value; what sharded attention cannot do (an indexer it does not know, compressed key/value entries)
+raises naming it. DeepSeek Sparse Attention (an indexer picking each query's keys) with its keys
+gathered, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2; MLA's keys and values of different widths. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
 short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
 gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
 started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2;
@@ -76,8 +77,9 @@ def check_errors():
         parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
     with pytest.raises(NotImplementedError, match="load-balancing loss .* not supported with cp=2"):
         parallelize(tiny_model("mixtral", output_router_logits=True), state=state)
-    with pytest.raises(NotImplementedError, match="layers of type 'indexed_attention' use sparse attention"):
-        parallelize(tiny_model("deepseek_v32"), state=state)
+    with pytest.raises(NotImplementedError, match=r"'indexed_attention' use sparse attention whose indexer "
+                                                  r"\(Qwen4ExpTextQSAIndexer\)"):
+        parallelize(tiny_model("qwen4_exp"), state=state)  # (it pools blocks of keys and returns a mask)
     with pytest.raises(NotImplementedError, match="'compressed_sparse_attention' use compressed key/value entries"):
         parallelize(tiny_model("deepseek_v4"), state=state)
     with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2, ep=1\)"):
@@ -152,24 +154,44 @@ def test_cp2_models_counting_positions_or_attending_in_their_own_code(ranks):
     assert all(len(r) == 13 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
+def check_sparse_attention():
+    """DeepSeek Sparse Attention: each query attends to the top 8 of its 16 keys an indexer picks
+    (its scores against every rank's keys, gathered), and MLA's keys wider or narrower than its values.
+    DeepSeek-V3.2 and GLM-MoE-DSA (MLA; packed rows), HY-V4 (attention sinks), AXK2, Dots3 Note
+    (sliding layers besides, keys 32 wide and values 16 through the ring), DeepSeek-V3 with values
+    narrower and wider than its keys. Attending to every visible key instead of the chosen ones, or
+    keeping only this rank's part of the gathered keys' gradient, fails these."""
+    return {"deepseek_v32 packed": check_cp("deepseek_v32", packed=True), "glm_moe_dsa": check_cp("glm_moe_dsa"),
+            "hy_v4 contiguous": check_cp("hy_v4", layout="contiguous"),
+            "axk2 all-gather": check_cp("axk2", mode="all-gather"), "dots3_note": check_cp("dots3_note"),
+            "deepseek_v3 narrow values": check_cp("deepseek_v3", v_head_dim=8),
+            "deepseek_v3 wide values packed": check_cp("deepseek_v3", v_head_dim=24, packed=True)}
+
+
+def test_cp2_sparse_indexed_attention_and_mla_head_widths(ranks):
+    results = ranks(2).run(check_sparse_attention, timeout=TIMEOUT_S)
+    assert all(len(r) == 7 and all("grads on this rank" in d for d in r.values()) for r in results), results
+
+
 def check_outside_attention_functions_at(dims: str):
     fp32 = dict(plan="auto", dtype=torch.float32)
     if dims == "cp4":  # RoBERTa's count carried over eight chunks; windows of 3 over chunks of 2 tokens
         return [check_cp("xlm-roberta", cp=4, plan="auto"), check_cp("pegasus", cp=4, plan="auto"),
                 check_cp("gpt_neo", cp=4, window_size=3, **fp32), check_cp("falcon", cp=4, plan="auto", packed=True),
-                check_cp("bloom", cp=4, **fp32)]
+                check_cp("bloom", cp=4, **fp32), check_cp("glm_moe_dsa", cp=4, packed=True)]
     if dims == "cp2xpp2":  # (RoBERTa's and MPT's: tests/faults/test_context_parallel_masks.py)
         return [check_cp("bart", pp=2, schedule="1f1b", plan="auto"),
-                check_cp("falcon", pp=2, plan="auto", packed=True)]
+                check_cp("falcon", pp=2, plan="auto", packed=True), check_cp("hy_v4", pp=2, schedule="1f1b")]
     # Under tp each rank's ALiBi slopes are its heads' (read from the bias rows the model cut to them).
     return [check_cp("falcon", tp=2, plan="auto"), check_cp("bloom", tp=2, **fp32),
-            check_cp("gpt_neo", tp=2, window_size=5, recompute="selective", **fp32)]
+            check_cp("gpt_neo", tp=2, window_size=5, recompute="selective", **fp32),
+            check_cp("deepseek_v32", tp=2, recompute="selective")]
 
 
 @pytest.mark.parametrize("dims", ["cp4", "cp2xpp2", "cp2xtp2"])
 def test_outside_attention_functions_at_cp4_and_with_tp_pp(ranks, dims):
     results = ranks(4).run(check_outside_attention_functions_at, dims, timeout=TIMEOUT_S)
-    assert len(results) == 4 and all(len(r) == {"cp4": 5, "cp2xpp2": 2, "cp2xtp2": 3}[dims] for r in results), results
+    assert len(results) == 4 and all(len(r) == {"cp4": 6, "cp2xpp2": 3, "cp2xtp2": 4}[dims] for r in results), results
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),

@@ -23,9 +23,10 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 
 import torchpp  # noqa: F401  (registers torch.ops.torchpp)
-from torchpp.ops import GroupLike, gather_from_tp_region, group_of
+from torchpp.ops import GroupLike, gather_from_sp_region, gather_from_tp_region, group_of
 
 LAYOUTS = ("zigzag", "contiguous")
 MODES = ("ring", "all-gather")
@@ -95,16 +96,21 @@ def shard_sequence(x: torch.Tensor, group: GroupLike = None, dim: int = 1, layou
     return torch.cat([x.narrow(dim, c * n, n) for c in chunks], dim=dim)
 
 
-def unshard_sequence(x: torch.Tensor, group: GroupLike = None, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+def unshard_sequence(x: torch.Tensor, group: GroupLike = None, dim: int = 1, layout: str = "zigzag",
+                     sum_gradients: bool = False) -> torch.Tensor:
     """The full sequence from every rank's shard ``x`` (all-gather along ``dim``, put back in order).
 
-    Differentiable as Megatron's gather: the backward keeps this rank's part of the gradient.
+    Differentiable as Megatron's gather: the backward keeps this rank's part of the gradient; with
+    ``sum_gradients`` it reduce-scatters (each rank's result feeding a different computation, as
+    gathered keys feed each rank's own queries).
 
     Args:
         x: this rank's shard (as shard_sequence returns it, or a model's output on it).
         group: the context-parallel group.
         dim: the sequence dimension.
         layout: the layout the shard was taken with.
+        sum_gradients: sum the gradient over the ranks (sequence parallelism's gather) instead of
+            keeping this rank's part.
     """
     _check_layout(layout)
     group = group_of(group)
@@ -114,7 +120,8 @@ def unshard_sequence(x: torch.Tensor, group: GroupLike = None, dim: int = 1, lay
     if x.size(dim) % pieces:
         raise ValueError(f"torchpp.context_parallel: a {layout} shard holds {pieces} equal chunks, but its length "
                          f"{x.size(dim)} along dim {dim} is odd")
-    gathered = gather_from_tp_region(x, group, dim) if size > 1 else x  # rank-major shards
+    gather = gather_from_sp_region if sum_gradients else gather_from_tp_region
+    gathered = gather(x, group, dim) if size > 1 else x  # rank-major shards
     n = x.size(dim) // pieces
     order = [0] * _num_chunks(size, layout)
     for rank in range(size):
@@ -148,7 +155,8 @@ def attention(
         query: [b, heads, s_local, d], this rank's shard.
         key: [b, kv_heads, s_local, d]; heads must be a multiple of kv_heads (grouped-query
             attention: query head j uses key head j // (heads / kv_heads)).
-        value: like key.
+        value: [b, kv_heads, s_local, d_v]; d_v may differ from d (MLA), the narrower of the
+            two zero-padded for the blocks.
         group: the context-parallel group (ProcessGroup, name, or None for the world).
         causal: each token sees the tokens at or before its global position.
         scale: score scale; default 1/sqrt(d).
@@ -183,5 +191,11 @@ def attention(
         raise ValueError(f"torchpp.context_parallel.attention: window must be positive (None: no window), got {window}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"torchpp.context_parallel.attention: softcap must be positive (None: none), got {softcap}")
-    return op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout, window or 0, sinks,
-              softcap or 0.0, alibi_slopes)
+    key_dim, value_dim = key.size(-1), value.size(-1)
+    if key_dim != value_dim:  # (MLA: DeepSeek-V3's keys are 192 wide, its values 128) zeros add nothing to either
+        scale = key_dim ** -0.5 if scale is None else scale
+        width = max(key_dim, value_dim)
+        query, key, value = (F.pad(t, (0, width - t.size(-1))) for t in (query, key, value))
+    out = op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout, window or 0, sinks,
+             softcap or 0.0, alibi_slopes)
+    return out[..., :value_dim] if out.size(-1) != value_dim else out

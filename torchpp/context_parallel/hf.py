@@ -29,6 +29,7 @@ from torch import nn
 from torchpp import recompute
 from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
 from torchpp.context_parallel.delta_rule import apply_delta_rule
+from torchpp.context_parallel import indexed
 from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.lightning import apply_lightning
 from torchpp.context_parallel.mamba import apply_mamba2
@@ -172,14 +173,20 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
                sliding_window=None, softcap=None, position_ids=None, s_aux=None, alibi_slopes=None, **kwargs):
     """transformers' attention-function interface over torchpp.context_parallel.attention: causal
     (or not, by the module's ``is_causal``), sliding windows, attention sinks, capped scores and
-    Llama 4's chunked layers (and ALiBi slopes, from own_attention's adapters); packed rows told
-    apart by their position ids. What it cannot shard raises."""
+    Llama 4's chunked layers (and ALiBi slopes, from own_attention's adapters), DeepSeek's sparse
+    attention (``indices``: ``indexed``); packed rows told apart by their position ids. What it
+    cannot shard raises."""
     cp: Optional[ContextParallel] = getattr(module, "torchpp_cp", None)
     if cp is None:
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__} was not wrapped by "
                            f"parallelize(..., cp=)")
     causal = kwargs.pop("is_causal", None)  # a call's own is_causal wins over its module's, as in transformers'
     causal = masked_causally(module) if causal is None else causal
+    indices = kwargs.pop("indices", None)
+    if indices is not None or layer_type(module) == indexed.LAYER_TYPE:  # (its mask is indexed.visible_keys')
+        check_call(module, query, key, None, dropout, None, causal, kwargs)
+        cp.calls.count += 1
+        return indexed.attend(cp, module, query, key, value, attention_mask, indices, scaling, s_aux), None
     check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
     cp.calls.count += 1
     if position_ids is None:
@@ -222,6 +229,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
         cp.calls.watch(model.get_submodule(layers), layers)
     apply_positions(model, cp)
     apply_own_attention(model, _recomputed_attention if recompute_core else _attention)
+    indexed.apply_indexed_attention(model, cp)
     mark_cross_attention(model)
     apply_halos(model, cp)
     apply_delta_rule(model, cp)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from torchpp.context_parallel.delta_rule import defines_delta_rule, delta_rule_convs
+from torchpp.context_parallel.indexed import defines_indexed_attention, refusal as indexed_refusal
 from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
 from torchpp.context_parallel.halo import halo_conv
 from torchpp.context_parallel.own_attention import (counts_keys_by_index, own_attention_modules, refusal as own_refusal,
@@ -25,8 +26,7 @@ from torchpp.context_parallel.selective_scan import defines_selective_scan, sele
 
 # Layer types whose masks transformers builds otherwise than by position and window.
 COMPRESSED = "compressed key/value entries with a mask of their own (DeepSeek-V4's compressor)"
-UNSHARDED_MASKS = {"indexed_attention": "sparse attention (an indexer picks each query's keys)",
-                   "reference_sliding_attention": "a reference sliding-window mask",
+UNSHARDED_MASKS = {"reference_sliding_attention": "a reference sliding-window mask",
                    "compressed_sparse_attention": COMPRESSED, "heavily_compressed_attention": COMPRESSED}
 PREFIX = "torchpp context parallelism"
 
@@ -68,6 +68,10 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
             raise NotImplementedError(f"{where} takes no position_ids: it counts its positions from the length of "
                                       f"its input in its own code, which on a shard of the sequence would start "
                                       f"again at 0")
+    indexed = indexed_refusal(model) if defines_indexed_attention(model) else ""
+    if indexed:
+        raise NotImplementedError(f"{where}'s layers of type 'indexed_attention' use {indexed}, which sharded "
+                                  f"attention does not implement")
     for config in attention_configs(model).values():
         unsharded = sorted(set(getattr(config, "layer_types", None) or ()) & set(UNSHARDED_MASKS))
         if unsharded:
@@ -135,12 +139,12 @@ def check_call(module: nn.Module, query, key, attention_mask, dropout, sliding_w
                                   f"({type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}), "
                                   f"which sharded attention cannot apply to a shard of the sequence")
     extra = sorted(key for key, value in kwargs.items() if isinstance(value, torch.Tensor) and key not in UNREAD_TENSORS)
-    if extra and kwargs.get("indices") is None:
+    if extra:
         raise NotImplementedError(f"{PREFIX}: {name} passes {', '.join(extra)} to its attention function (a bias or "
                                   f"mask of its own), which sharded attention does not implement")
     kind = layer_type(module)
-    if kwargs.get("indices") is not None or kind in UNSHARDED_MASKS:
-        what = UNSHARDED_MASKS.get(kind, UNSHARDED_MASKS["indexed_attention"])
+    if kind in UNSHARDED_MASKS:
+        what = UNSHARDED_MASKS[kind]
         raise NotImplementedError(f"{PREFIX}: {name} (layer type {kind!r}) uses {what}, which sharded attention "
                                   f"does not implement")
     if sliding_window is not None and not (causal and isinstance(sliding_window, int)):
