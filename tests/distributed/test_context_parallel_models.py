@@ -8,9 +8,10 @@ unwrapped model in float64: loss, logits (gathered over cp), every gradient afte
 DistributedOptimizer's reduction over the dp-cp group, and one SGD step
 (torchpp.testing.model_checks.check_cp). Sliding windows, attention sinks (GPT-OSS, also at cp=2
 x tp=2 and x pp=2) and Llama 4's chunked layers too. Bad inputs raise on every rank naming the
-value; what sharded attention cannot do (an indexer it does not know, compressed key/value entries)
-raises naming it. DeepSeek Sparse Attention (an indexer picking each query's keys) with its keys
-gathered, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2; MLA's keys and values of different widths. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
+value; what sharded attention cannot do (an indexer it does not know) raises naming it. DeepSeek
+Sparse Attention (an indexer picking each query's keys) with its keys gathered, and DeepSeek-V4's
+compressed entries over windows spanning ranks, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2; MLA's
+keys and values of different widths. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
 short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
 gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
 started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2;
@@ -80,8 +81,6 @@ def check_errors():
     with pytest.raises(NotImplementedError, match=r"'indexed_attention' use sparse attention whose indexer "
                                                   r"\(Qwen4ExpTextQSAIndexer\)"):
         parallelize(tiny_model("qwen4_exp"), state=state)  # (it pools blocks of keys and returns a mask)
-    with pytest.raises(NotImplementedError, match="'compressed_sparse_attention' use compressed key/value entries"):
-        parallelize(tiny_model("deepseek_v4"), state=state)
     with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2, ep=1\)"):
         parallelize(tiny_model("llama"), cp=4, state=state)
     return True
@@ -165,12 +164,29 @@ def check_sparse_attention():
             "hy_v4 contiguous": check_cp("hy_v4", layout="contiguous"),
             "axk2 all-gather": check_cp("axk2", mode="all-gather"), "dots3_note": check_cp("dots3_note"),
             "deepseek_v3 narrow values": check_cp("deepseek_v3", v_head_dim=8),
-            "deepseek_v3 wide values packed": check_cp("deepseek_v3", v_head_dim=24, packed=True)}
+            "deepseek_v3 wide values packed": check_cp("deepseek_v3", v_head_dim=24, packed=True),
+            **check_compressed_attention()}
 
 
-def test_cp2_sparse_indexed_attention_and_mla_head_widths(ranks):
+# DeepSeek-V4's layer kinds: a sliding window of 5 alone; with heavily compressed entries (one per
+# 8 tokens); with compressed entries (one per 2 tokens, overlapping) of which an indexer keeps 3.
+V4_LAYERS = dict(index_topk=3, sliding_window=5, layer_types=["sliding_attention", "heavily_compressed_attention",
+                                                               "sliding_attention", "compressed_sparse_attention"])
+
+
+def check_compressed_attention():
+    """DeepSeek-V4: windows of the compressors span ranks (their projections gathered, each rank
+    compressing the whole sequence as one process does); one softmax with sinks over the sliding
+    window's keys and the compressed entries its position has closed. Not gathering the
+    projections, or dropping the model's bias over the entries, fails these."""
+    return {"deepseek_v4": check_cp("deepseek_v4", **V4_LAYERS),
+            "deepseek_v4 packed all-gather contiguous": check_cp("deepseek_v4", packed=True, mode="all-gather",
+                                                                  layout="contiguous", index_topk=3)}
+
+
+def test_cp2_sparse_indexed_and_compressed_attention_and_mla_head_widths(ranks):
     results = ranks(2).run(check_sparse_attention, timeout=TIMEOUT_S)
-    assert all(len(r) == 7 and all("grads on this rank" in d for d in r.values()) for r in results), results
+    assert all(len(r) == 9 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
 def check_outside_attention_functions_at(dims: str):
@@ -178,20 +194,23 @@ def check_outside_attention_functions_at(dims: str):
     if dims == "cp4":  # RoBERTa's count carried over eight chunks; windows of 3 over chunks of 2 tokens
         return [check_cp("xlm-roberta", cp=4, plan="auto"), check_cp("pegasus", cp=4, plan="auto"),
                 check_cp("gpt_neo", cp=4, window_size=3, **fp32), check_cp("falcon", cp=4, plan="auto", packed=True),
-                check_cp("bloom", cp=4, **fp32), check_cp("glm_moe_dsa", cp=4, packed=True)]
+                check_cp("bloom", cp=4, **fp32), check_cp("glm_moe_dsa", cp=4, packed=True),
+                check_cp("deepseek_v4", cp=4, **V4_LAYERS)]
     if dims == "cp2xpp2":  # (RoBERTa's and MPT's: tests/faults/test_context_parallel_masks.py)
         return [check_cp("bart", pp=2, schedule="1f1b", plan="auto"),
-                check_cp("falcon", pp=2, plan="auto", packed=True), check_cp("hy_v4", pp=2, schedule="1f1b")]
+                check_cp("falcon", pp=2, plan="auto", packed=True), check_cp("hy_v4", pp=2, schedule="1f1b"),
+                check_cp("deepseek_v4", pp=2, index_topk=3)]
     # Under tp each rank's ALiBi slopes are its heads' (read from the bias rows the model cut to them).
     return [check_cp("falcon", tp=2, plan="auto"), check_cp("bloom", tp=2, **fp32),
             check_cp("gpt_neo", tp=2, window_size=5, recompute="selective", **fp32),
-            check_cp("deepseek_v32", tp=2, recompute="selective")]
+            check_cp("deepseek_v32", tp=2, recompute="selective"),
+            check_cp("deepseek_v4", tp=2, recompute="selective", **V4_LAYERS)]
 
 
 @pytest.mark.parametrize("dims", ["cp4", "cp2xpp2", "cp2xtp2"])
 def test_outside_attention_functions_at_cp4_and_with_tp_pp(ranks, dims):
     results = ranks(4).run(check_outside_attention_functions_at, dims, timeout=TIMEOUT_S)
-    assert len(results) == 4 and all(len(r) == {"cp4": 6, "cp2xpp2": 3, "cp2xtp2": 4}[dims] for r in results), results
+    assert len(results) == 4 and all(len(r) == {"cp4": 7, "cp2xpp2": 4, "cp2xtp2": 5}[dims] for r in results), results
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),

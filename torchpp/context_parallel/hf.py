@@ -29,7 +29,7 @@ from torch import nn
 from torchpp import recompute
 from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
 from torchpp.context_parallel.delta_rule import apply_delta_rule
-from torchpp.context_parallel import indexed
+from torchpp.context_parallel import compressed, indexed
 from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.lightning import apply_lightning
 from torchpp.context_parallel.mamba import apply_mamba2
@@ -183,10 +183,16 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     causal = kwargs.pop("is_causal", None)  # a call's own is_causal wins over its module's, as in transformers'
     causal = masked_causally(module) if causal is None else causal
     indices = kwargs.pop("indices", None)
-    if indices is not None or layer_type(module) == indexed.LAYER_TYPE:  # (its mask is indexed.visible_keys')
+    if indices is not None or layer_type(module) == indexed.LAYER_TYPE:  # (its mask is gathered.visible_keys')
         check_call(module, query, key, None, dropout, None, causal, kwargs)
         cp.calls.count += 1
         return indexed.attend(cp, module, query, key, value, attention_mask, indices, scaling, s_aux), None
+    if layer_type(module) in compressed.LAYER_TYPES:  # (its mask is the model's bias over its compressed entries)
+        check_call(module, query, query, None, dropout, None, causal, kwargs)
+        cp.calls.count += 1
+        if position_ids is None:
+            position_ids = cp.layer_positions.get("latest")
+        return compressed.attend(cp, module, query, key, value, attention_mask, scaling, s_aux, position_ids), None
     check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
     cp.calls.count += 1
     if position_ids is None:
@@ -230,6 +236,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     apply_positions(model, cp)
     apply_own_attention(model, _recomputed_attention if recompute_core else _attention)
     indexed.apply_indexed_attention(model, cp)
+    compressed.apply_compressed_attention(model, cp)
     mark_cross_attention(model)
     apply_halos(model, cp)
     apply_delta_rule(model, cp)

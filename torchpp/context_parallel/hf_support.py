@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from torchpp.context_parallel.delta_rule import defines_delta_rule, delta_rule_convs
+from torchpp.context_parallel.compressed import defines_compressed_attention, refusal as compressed_refusal
 from torchpp.context_parallel.indexed import defines_indexed_attention, refusal as indexed_refusal
 from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
 from torchpp.context_parallel.halo import halo_conv
@@ -25,9 +26,7 @@ from torchpp.context_parallel.rg_lru import recurrent_block_convs
 from torchpp.context_parallel.selective_scan import defines_selective_scan, selective_scan_convs
 
 # Layer types whose masks transformers builds otherwise than by position and window.
-COMPRESSED = "compressed key/value entries with a mask of their own (DeepSeek-V4's compressor)"
-UNSHARDED_MASKS = {"reference_sliding_attention": "a reference sliding-window mask",
-                   "compressed_sparse_attention": COMPRESSED, "heavily_compressed_attention": COMPRESSED}
+UNSHARDED_MASKS = {"reference_sliding_attention": "a reference sliding-window mask"}
 PREFIX = "torchpp context parallelism"
 
 
@@ -71,6 +70,10 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
     indexed = indexed_refusal(model) if defines_indexed_attention(model) else ""
     if indexed:
         raise NotImplementedError(f"{where}'s layers of type 'indexed_attention' use {indexed}, which sharded "
+                                  f"attention does not implement")
+    compressed = compressed_refusal(model) if defines_compressed_attention(model) else ""
+    if compressed:
+        raise NotImplementedError(f"{where}'s compressed-attention layers use {compressed}, which sharded "
                                   f"attention does not implement")
     for config in attention_configs(model).values():
         unsharded = sorted(set(getattr(config, "layer_types", None) or ()) & set(UNSHARDED_MASKS))

@@ -18,14 +18,13 @@ the whole sequence in its order, as on one process.
 """
 from __future__ import annotations
 
-import inspect
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchpp.context_parallel import unshard_sequence
+from torchpp.context_parallel.gathered import call_argument, dense_attention, gather_keys, visible_keys, with_argument
 
 LAYER_TYPE = "indexed_attention"
 
@@ -73,42 +72,14 @@ class GatheredIndexerKeys:
         return unshard_sequence(keys, self.cp.group, dim=1, layout=self.cp.layout)
 
 
-def _with_argument(forward, args, kwargs, name: str, value):
-    bound = inspect.signature(forward).bind_partial(*args, **kwargs)
-    bound.arguments[name] = value
-    return bound.args, bound.kwargs
-
-
-def visible_keys(cp, module: nn.Module, batch: int, local_len: int, position_ids: Optional[torch.Tensor],
-                 device: torch.device) -> torch.Tensor:
-    """[b, 1, s_local, s] bool: which keys (global order) each of this rank's queries may see."""
-    from torchpp.context_parallel.hf import _segment_ids
-    from torchpp.context_parallel.hf_support import masked_causally
-
-    query_at = cp.positions(local_len * cp.size, device)[:, None]
-    key_at = torch.arange(local_len * cp.size, device=device)[None, :]
-    visible = (key_at <= query_at) if masked_causally(module) else torch.ones_like(key_at == query_at)
-    window = getattr(module, "sliding_window", None)
-    if isinstance(window, int):
-        visible = visible & (key_at > query_at - window)
-    visible = visible.expand(batch, -1, -1)
-    segments = _segment_ids(cp, position_ids, local_len)
-    if segments is not None:  # packed rows: a token sees its own sequence only
-        segments = segments.expand(batch, -1)
-        every = unshard_sequence(segments, cp.group, dim=1, layout=cp.layout)
-        visible = visible & (segments[:, :, None] == every[:, None, :])
-    return visible.unsqueeze(1)
-
-
 def _give_mask(cp):
     def hook(module, args, kwargs):
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-        hidden = bound.get("hidden_states", args[0] if args else None)
-        position_ids = bound.get("position_ids")
+        hidden = call_argument(module.forward, args, kwargs, "hidden_states")
+        position_ids = call_argument(module.forward, args, kwargs, "position_ids")
         if not isinstance(position_ids, torch.Tensor):
             position_ids = cp.layer_positions.get("latest")
         mask = visible_keys(cp, module, hidden.size(0), hidden.size(1), position_ids, hidden.device)
-        return _with_argument(module.forward, args, kwargs, "attention_mask", mask)
+        return with_argument(module.forward, args, kwargs, "attention_mask", mask)
     return hook
 
 
@@ -116,7 +87,7 @@ def _give_keys(cp):
     keys = GatheredIndexerKeys(cp)
 
     def hook(indexer, args, kwargs):
-        return _with_argument(indexer.forward, args, kwargs, "cache", keys)
+        return with_argument(indexer.forward, args, kwargs, "cache", keys)
     return hook
 
 
@@ -142,24 +113,10 @@ def attend(cp, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__}'s indexed attention was not given "
                            f"the mask of its shard (got {type(visible).__name__} "
                            f"{tuple(getattr(visible, 'shape', ()))})")
-    key = unshard_sequence(key, cp.group, dim=2, layout=cp.layout, sum_gradients=True)
-    value = unshard_sequence(value, cp.group, dim=2, layout=cp.layout, sum_gradients=True)
     allowed = visible
     if indices is not None:
-        chosen = torch.zeros_like(visible).scatter(-1, indices.long().unsqueeze(1), True)
-        allowed = visible & chosen
-    groups = query.size(1) // key.size(1)
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    if sinks is None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
-    else:
-        scale = scaling if scaling is not None else query.size(-1) ** -0.5
-        scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        out = torch.matmul(probs.to(value.dtype), value)
-    return out.transpose(1, 2).contiguous()
+        allowed = visible & torch.zeros_like(visible).scatter(-1, indices.long().unsqueeze(1), True)
+    return dense_attention(query, gather_keys(cp, key), gather_keys(cp, value), allowed, scaling, sinks)
 
 
 def defines_indexed_attention(model: nn.Module) -> bool:
@@ -169,4 +126,4 @@ def defines_indexed_attention(model: nn.Module) -> bool:
     return any(LAYER_TYPE in (getattr(c, "layer_types", None) or ()) for c in attention_configs(model).values())
 
 
-__all__ = ["INDEXERS", "apply_indexed_attention", "attend", "defines_indexed_attention", "refusal", "visible_keys"]
+__all__ = ["INDEXERS", "apply_indexed_attention", "attend", "defines_indexed_attention", "refusal"]
