@@ -62,6 +62,10 @@ def check_cp_with(dim: str, model_type: str):
     return check_cp(model_type, pp=2, schedule="zb-h1", n_microbatches=2, packed=model_type == "qwen2")
 
 
+class OtherIndexer(torch.nn.Module):
+    pass
+
+
 def check_errors():
     state = torchpp.init_parallel(cp=2)
     model = parallelize(tiny_model("llama"), state=state)
@@ -78,9 +82,11 @@ def check_errors():
         parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
     with pytest.raises(NotImplementedError, match="load-balancing loss .* not supported with cp=2"):
         parallelize(tiny_model("mixtral", output_router_logits=True), state=state)
+    unknown = tiny_model("deepseek_v32")
+    unknown.model.layers[1].self_attn.indexer = OtherIndexer()  # one whose keys torchpp does not know to gather
     with pytest.raises(NotImplementedError, match=r"'indexed_attention' use sparse attention whose indexer "
-                                                  r"\(Qwen4ExpTextQSAIndexer\)"):
-        parallelize(tiny_model("qwen4_exp"), state=state)  # (it pools blocks of keys and returns a mask)
+                                                  r"\(OtherIndexer\) is not one whose keys torchpp gathers"):
+        parallelize(unknown, state=state)
     with pytest.raises(ValueError, match=r"cp=4 disagree with the parallel state \(tp=1, pp=1, cp=2, ep=1\)"):
         parallelize(tiny_model("llama"), cp=4, state=state)
     return True
@@ -157,12 +163,14 @@ def check_sparse_attention():
     """DeepSeek Sparse Attention: each query attends to the top 8 of its 16 keys an indexer picks
     (its scores against every rank's keys, gathered), and MLA's keys wider or narrower than its values.
     DeepSeek-V3.2 and GLM-MoE-DSA (MLA; packed rows), HY-V4 (attention sinks), AXK2, Dots3 Note
-    (sliding layers besides, keys 32 wide and values 16 through the ring), DeepSeek-V3 with values
-    narrower and wider than its keys. Attending to every visible key instead of the chosen ones, or
+    (sliding layers besides, keys 32 wide and values 16 through the ring), Qwen4-Exp's QSA (2 of a
+    query's blocks of 4 keys, pooled and rotated at their global positions, plus its open block's
+    keys; gated delta-rule layers besides), DeepSeek-V3 with values narrower and wider than its keys. Attending to every visible key instead of the chosen ones, or
     keeping only this rank's part of the gathered keys' gradient, fails these."""
     return {"deepseek_v32 packed": check_cp("deepseek_v32", packed=True), "glm_moe_dsa": check_cp("glm_moe_dsa"),
             "hy_v4 contiguous": check_cp("hy_v4", layout="contiguous"),
             "axk2 all-gather": check_cp("axk2", mode="all-gather"), "dots3_note": check_cp("dots3_note"),
+            "qwen4_exp (blocks pooled, a mask) packed": check_cp("qwen4_exp", plan="auto", packed=True),
             "deepseek_v3 narrow values": check_cp("deepseek_v3", v_head_dim=8),
             "deepseek_v3 wide values packed": check_cp("deepseek_v3", v_head_dim=24, packed=True),
             **check_compressed_attention()}
@@ -186,7 +194,7 @@ def check_compressed_attention():
 
 def test_cp2_sparse_indexed_and_compressed_attention_and_mla_head_widths(ranks):
     results = ranks(2).run(check_sparse_attention, timeout=TIMEOUT_S)
-    assert all(len(r) == 9 and all("grads on this rank" in d for d in r.values()) for r in results), results
+    assert all(len(r) == 10 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
 def check_outside_attention_functions_at(dims: str):

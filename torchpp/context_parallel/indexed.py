@@ -1,6 +1,7 @@
 """DeepSeek Sparse Attention (DSA) on a shard of the sequence: a lightweight indexer scores each
 query against every key it may see and keeps its top k; attention then runs over those keys alone
-(DeepSeek-V3.2, GLM-MoE-DSA, HY-V4, AXK2, Dots3 Note; layers of type ``indexed_attention``).
+(DeepSeek-V3.2, GLM-MoE-DSA, HY-V4, AXK2, Dots3 Note; Qwen4-Exp's QSA, which pools blocks of keys
+and hands its choice over as a mask; layers of type ``indexed_attention``).
 
 The keys a query picks may lie anywhere before it, so the keys are gathered once per layer, as in
 ``mode="all-gather"``: the indexer's keys (it runs without autograd) and the attention's keys and
@@ -11,14 +12,17 @@ values (their gradients reduce-scattered back). The model's own indexer runs unc
 - its attention module is given this rank's rows of the mask by global position (causal, packed
   rows, windows) instead of the full mask transformers builds on one process;
 - transformers hands the top-k indices to any attention backend but eager and SDPA (``indices=``),
-  and the cp attention function attends to the chosen keys the mask allows (``attend``).
+  and the cp attention function attends to the chosen keys the mask allows (``attend``); an
+  indexer that returns a mask (QSA) has it folded into the mask the function is given;
+- an indexer rotating pooled keys at their global positions (QSA) is given the whole sequence's
+  rotary tables followed by this rank's.
 
 Top-k ties (the indexer's ReLU zeroes many scores) are broken alike: every row is scored against
 the whole sequence in its order, as on one process.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -28,19 +32,31 @@ from torchpp.context_parallel.gathered import call_argument, dense_attention, ga
 
 LAYER_TYPE = "indexed_attention"
 
-# Indexers by modeling module and class whose keys come through ``cache.update_indexer`` and whose
-# result is the top-k key indices [b, s, k] (each checked against the unwrapped model in tests).
-INDEXERS = (
-    "modeling_deepseek_v32.DeepseekV32Indexer",
-    "modeling_glm_moe_dsa.GlmMoeDsaIndexer",
-    "modeling_hy_v4.HYV4Indexer",
-    "modeling_axk2.AXK2Indexer",
-    "modeling_dots3_note.Dots3NoteTextIndexer",
-)
+# Indexers by modeling module and class, each checked against the unwrapped model in tests. Each
+# reads its keys through ``cache.update_indexer``; DeepSeek-V3.2's kind returns the top-k key
+# indices [b, s, k], Qwen4-Exp's (QSA) pools blocks of the keys a query sees, rotated at their
+# first token's position, and returns the chosen tokens as a mask (``True``: whole position tables).
+INDEXERS: Dict[str, bool] = {
+    "modeling_deepseek_v32.DeepseekV32Indexer": False,
+    "modeling_glm_moe_dsa.GlmMoeDsaIndexer": False,
+    "modeling_hy_v4.HYV4Indexer": False,
+    "modeling_axk2.AXK2Indexer": False,
+    "modeling_dots3_note.Dots3NoteTextIndexer": False,
+    "modeling_qwen4_exp.Qwen4ExpTextQSAIndexer": True,
+}
+
+
+def _reads_position_tables(indexer: nn.Module) -> Optional[bool]:
+    """Whether a known indexer reads rotary tables at keys' positions (None: not a known indexer)."""
+    for cls in type(indexer).__mro__:
+        known = INDEXERS.get(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}")
+        if known is not None:
+            return known
+    return None
 
 
 def _known(indexer: nn.Module) -> bool:
-    return any(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" in INDEXERS for cls in type(indexer).__mro__)
+    return _reads_position_tables(indexer) is not None
 
 
 def _indexed_attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -57,8 +73,8 @@ def refusal(model: nn.Module) -> str:
         return "sparse attention (an indexer picks each query's keys) in modules torchpp does not recognise"
     unknown = sorted({type(m.indexer).__name__ for _, m in modules if m.indexer is not None and not _known(m.indexer)})
     if unknown:
-        return (f"sparse attention whose indexer ({unknown[0]}) picks keys otherwise than DeepSeek-V3.2's (top-k "
-                f"key indices scored against keys read through cache.update_indexer, which torchpp gathers)")
+        return (f"sparse attention whose indexer ({unknown[0]}) is not one whose keys torchpp gathers "
+                f"(DeepSeek-V3.2's kind and Qwen4-Exp's are)")
     return ""
 
 
@@ -83,11 +99,23 @@ def _give_mask(cp):
     return hook
 
 
+def _whole_tables_then_own(cp, tables):
+    """Rotary (cos, sin) [b, s_local, d] as [b, s + s_local, d]: the whole sequence's rows, which an
+    indexer indexes by global position, then this rank's, which it takes as its queries' (its last
+    s_local rows, as it takes them after a cache's)."""
+    return tuple(torch.cat([unshard_sequence(t, cp.group, dim=1, layout=cp.layout), t], dim=1) for t in tables)
+
+
 def _give_keys(cp):
     keys = GatheredIndexerKeys(cp)
 
     def hook(indexer, args, kwargs):
-        return with_argument(indexer.forward, args, kwargs, "cache", keys)
+        args, kwargs = with_argument(indexer.forward, args, kwargs, "cache", keys)
+        if _reads_position_tables(indexer):
+            tables = call_argument(indexer.forward, args, kwargs, "position_embeddings")
+            args, kwargs = with_argument(indexer.forward, args, kwargs, "position_embeddings",
+                                         _whole_tables_then_own(cp, tables))
+        return args, kwargs
     return hook
 
 
