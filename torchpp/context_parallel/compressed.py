@@ -12,7 +12,7 @@ each rank's compressor then runs its own code over the whole sequence: the same 
 the same positions, as on one process. Its queries, the indexer's scores and the causal bias over
 the entries stay this rank's (its local hidden states and global position ids). The attention
 module is given an empty mask, so the model hands the attention function exactly that bias; the
-function gathers the sliding keys and attends to both (``gathered.dense_attention``).
+function gathers the sliding keys and attends to both (``gathered.masked_attention``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchpp.context_parallel.gathered import (call_argument, dense_attention, gather_keys, visible_keys,
+from torchpp.context_parallel.gathered import (call_argument, masked_attention, gather_keys, visible_keys,
                                                with_argument)
 
 LAYER_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
@@ -108,8 +108,9 @@ def attend(cp, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     same = value is key  # (DeepSeek-V4 reads one tensor as both: gather it once)
     keys = torch.cat([gather_keys(cp, key[:, :, :local]), key[:, :, local:]], dim=2)
     values = keys if same else torch.cat([gather_keys(cp, value[:, :, :local]), value[:, :, local:]], dim=2)
+    if bool(((entry_bias != 0) & (entry_bias != float("-inf"))).any()):
+        raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__}'s bias over its compressed "
+                                  f"entries holds values other than 0 and -inf, which a mask cannot express")
     visible = visible_keys(cp, module, query.size(0), local, position_ids, query.device)
-    allowed = torch.cat([visible, torch.ones_like(visible[..., :1]).expand(*visible.shape[:-1], entries)], dim=-1)
-    bias = torch.cat([torch.zeros_like(entry_bias[..., :1]).expand(*entry_bias.shape[:-1], visible.size(-1)),
-                      entry_bias], dim=-1)
-    return dense_attention(query, keys, values, allowed, scaling, sinks, bias=bias)
+    allowed = torch.cat([visible, (entry_bias == 0).expand(visible.size(0), -1, -1, -1)], dim=-1)
+    return masked_attention(query, keys, values, allowed, scaling, sinks)

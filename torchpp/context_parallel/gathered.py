@@ -2,8 +2,9 @@
 layers whose queries reach keys chosen by content rather than by position (DeepSeek's sparse
 indexed attention: ``indexed``) or keys the model adds of its own (DeepSeek-V4's compressed
 entries: ``compressed``). Masks are this rank's rows [b, 1, s_local, s] by global position; the
-keys' and values' gradients reduce-scatter back to the ranks holding them. Scores are dense over
-[s_local, s (+ extra keys)], 1/cp of what transformers' eager or SDPA path holds on one process.
+keys' and values' gradients reduce-scatter back to the ranks holding them. Attention runs through
+PyTorch's SDPA with a boolean mask: the mask [s_local, s (+ extra keys)] is the one quadratic
+tensor, 1/cp of the mask transformers' SDPA path holds on one process.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import inspect
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchpp.context_parallel import unshard_sequence
@@ -54,25 +56,36 @@ def visible_keys(cp, module: nn.Module, batch: int, local_len: int, position_ids
     return visible.unsqueeze(1)
 
 
-def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
-                    scaling: Optional[float], sinks: Optional[torch.Tensor] = None,
-                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+SINK_COLUMNS = 8  # (a whole block of extra key columns keeps fused kernels' head-width alignment)
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                     scaling: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax attention of ``query`` [b, h, s_q, d] to ``key``/``value`` [b, h_kv, s_k, d(_v)]
-    where ``allowed`` [b, 1, s_q, s_k] (plus an additive ``bias`` of that shape), with per-head
-    ``sinks`` in each denominator (GPT-OSS's, DeepSeek-V4's). Returns [b, s_q, h, d_v]."""
+    where ``allowed`` [b, 1, s_q, s_k], with per-head ``sinks`` in each denominator (GPT-OSS's,
+    DeepSeek-V4's). Returns [b, s_q, h, d_v].
+
+    Runs PyTorch's SDPA with the boolean mask, whose fused kernels (flash on CPU, memory-efficient
+    on CUDA) keep no [s_q, s_k] scores: the mask is the only quadratic tensor. A sink is one more
+    key per head that every query sees with score ``sink`` and a zero value: queries get a column
+    of ones, that key ``sink / scale`` in it (and zeros elsewhere), so its gradient reaches the sink.
+    Keys and values of different widths (MLA) are zero-padded to one width, as fused kernels need."""
     batch, heads, length, _ = query.shape
-    groups = heads // key.size(1)
-    q = query.reshape(batch, key.size(1), groups, length, -1)  # grouped heads broadcast over their key head
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
-    scores = torch.matmul(q, key.unsqueeze(2).transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.unsqueeze(2).to(scores.dtype)
-    scores = scores.masked_fill(~allowed.unsqueeze(2), float("-inf"))
+    value_dim = value.size(-1)
     if sinks is not None:
-        sink = sinks.reshape(1, key.size(1), groups, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True).detach(), dim=-1)
-    if sinks is not None:
-        probs = probs[..., :-1]
-    out = torch.matmul(probs.to(value.dtype), value.unsqueeze(2))  # [b, h_kv, g, s_q, d_v]
-    return out.reshape(batch, heads, length, -1).transpose(1, 2).contiguous()
+        groups = heads // key.size(1)
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        ones = query.new_ones(batch, heads, length, 1)
+        query = torch.cat([query, ones, query.new_zeros(batch, heads, length, SINK_COLUMNS - 1)], dim=-1)
+        sink = (sinks.to(key.dtype) / scale).reshape(1, heads, 1, 1).expand(batch, -1, -1, -1)
+        sink_key = torch.cat([key.new_zeros(batch, heads, 1, key.size(-1)), sink,
+                              key.new_zeros(batch, heads, 1, SINK_COLUMNS - 1)], dim=-1)
+        key = torch.cat([torch.cat([key, key.new_zeros(*key.shape[:-1], SINK_COLUMNS)], dim=-1), sink_key], dim=2)
+        value = torch.cat([value, value.new_zeros(batch, heads, 1, value_dim)], dim=2)
+        allowed = torch.cat([allowed, allowed.new_ones(*allowed.shape[:-1], 1)], dim=-1)
+    width = max(query.size(-1), value.size(-1))
+    query, key, value = (F.pad(t, (0, width - t.size(-1))) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
+                                         enable_gqa=key.size(1) != heads)
+    return out[..., :value_dim].transpose(1, 2).contiguous()

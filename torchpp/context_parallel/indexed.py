@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from torchpp.context_parallel import unshard_sequence
-from torchpp.context_parallel.gathered import call_argument, dense_attention, gather_keys, visible_keys, with_argument
+from torchpp.context_parallel.gathered import call_argument, masked_attention, gather_keys, visible_keys, with_argument
 
 LAYER_TYPE = "indexed_attention"
 
@@ -144,7 +144,7 @@ def attend(cp, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     allowed = visible
     if indices is not None:
         allowed = visible & torch.zeros_like(visible).scatter(-1, indices.long().unsqueeze(1), True)
-    return dense_attention(query, gather_keys(cp, key), gather_keys(cp, value), allowed, scaling, sinks)
+    return masked_attention(query, gather_keys(cp, key), gather_keys(cp, value), allowed, scaling, sinks)
 
 
 def defines_indexed_attention(model: nn.Module) -> bool:
