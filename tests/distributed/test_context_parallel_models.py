@@ -11,7 +11,7 @@ x tp=2 and x pp=2) and Llama 4's chunked layers too. Bad inputs raise on every r
 value; what sharded attention cannot do (an indexer it does not know) raises naming it. DeepSeek
 Sparse Attention (an indexer picking each query's keys) with its keys gathered, and DeepSeek-V4's
 compressed entries over windows spanning ranks, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2; MLA's
-keys and values of different widths. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
+keys and values of different widths; Inkling's relative position biases from global distances. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
 short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
 gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
 started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2;
@@ -173,7 +173,23 @@ def check_sparse_attention():
             "qwen4_exp (blocks pooled, a mask) packed": check_cp("qwen4_exp", plan="auto", packed=True),
             "deepseek_v3 narrow values": check_cp("deepseek_v3", v_head_dim=8),
             "deepseek_v3 wide values packed": check_cp("deepseek_v3", v_head_dim=24, packed=True),
-            **check_compressed_attention()}
+            **check_compressed_attention(), **check_relative_biases()}
+
+
+def check_relative_biases():
+    """Inkling's and Inkling 2's relative position biases (a bias per backward distance, here up to 8
+    on sliding layers and 32 on full ones) from global distances, over the gathered keys; Inkling 2's
+    per-token sinks and its attention residuals across depth (each token over its own blocks'
+    states, run as the model's eager attention). Handing the bias the shard's own distances, or
+    dropping the sinks, fails these. Inkling's log-scaled full attention counts positions in its
+    own code: refused."""
+    done = {"inkling packed": check_cp("inkling_text", packed=True),
+            "inkling2 packed all-gather contiguous": check_cp("inkling2_text", plan="auto", packed=True,
+                                                              mode="all-gather", layout="contiguous")}
+    with pytest.raises(NotImplementedError, match=r"InklingForCausalLM scales its full-attention queries and biases "
+                                                  r"by log\(position\)"):
+        check_cp("inkling_text", log_scaling_n_floor=4)
+    return done
 
 
 # DeepSeek-V4's layer kinds: a sliding window of 5 alone; with heavily compressed entries (one per
@@ -192,9 +208,9 @@ def check_compressed_attention():
                                                                   layout="contiguous", index_topk=3)}
 
 
-def test_cp2_sparse_indexed_and_compressed_attention_and_mla_head_widths(ranks):
+def test_cp2_attention_to_keys_beyond_the_shard_sparse_compressed_or_biased_and_mla_widths(ranks):
     results = ranks(2).run(check_sparse_attention, timeout=TIMEOUT_S)
-    assert all(len(r) == 10 and all("grads on this rank" in d for d in r.values()) for r in results), results
+    assert all(len(r) == 12 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
 def check_outside_attention_functions_at(dims: str):
@@ -203,7 +219,7 @@ def check_outside_attention_functions_at(dims: str):
         return [check_cp("xlm-roberta", cp=4, plan="auto"), check_cp("pegasus", cp=4, plan="auto"),
                 check_cp("gpt_neo", cp=4, window_size=3, **fp32), check_cp("falcon", cp=4, plan="auto", packed=True),
                 check_cp("bloom", cp=4, **fp32), check_cp("glm_moe_dsa", cp=4, packed=True),
-                check_cp("deepseek_v4", cp=4, **V4_LAYERS)]
+                check_cp("deepseek_v4", cp=4, **V4_LAYERS), check_cp("inkling2_text", cp=4, plan="auto")]
     if dims == "cp2xpp2":  # (RoBERTa's and MPT's: tests/faults/test_context_parallel_masks.py)
         return [check_cp("bart", pp=2, schedule="1f1b", plan="auto"),
                 check_cp("falcon", pp=2, plan="auto", packed=True), check_cp("hy_v4", pp=2, schedule="1f1b"),
@@ -218,7 +234,7 @@ def check_outside_attention_functions_at(dims: str):
 @pytest.mark.parametrize("dims", ["cp4", "cp2xpp2", "cp2xtp2"])
 def test_outside_attention_functions_at_cp4_and_with_tp_pp(ranks, dims):
     results = ranks(4).run(check_outside_attention_functions_at, dims, timeout=TIMEOUT_S)
-    assert len(results) == 4 and all(len(r) == {"cp4": 7, "cp2xpp2": 4, "cp2xtp2": 5}[dims] for r in results), results
+    assert len(results) == 4 and all(len(r) == {"cp4": 8, "cp2xpp2": 4, "cp2xtp2": 5}[dims] for r in results), results
 
 
 @pytest.mark.parametrize("dim,model_type", [("tp", "llama"), ("tp", "qwen2"), ("pp", "llama"), ("pp", "qwen2"),

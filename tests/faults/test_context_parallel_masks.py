@@ -111,8 +111,10 @@ def _layers_without_attention():
         wrapped(input_ids=torch.zeros(2, 16, dtype=torch.long))
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.self_attn\.[\w.]+ convolves over the sequence"):
         check_cp("zaya", plan="auto")
-    with pytest.raises(NotImplementedError, match=r"InklingAttention passes position_bias to its attention function"):
-        check_cp("inkling_text", plan="auto")
+    # A tensor the attention function is handed that the op does not read (a bias of the caller's own):
+    # layer 0 calls attention before layer 1 runs.
+    with pytest.raises(NotImplementedError, match=r"LlamaAttention passes score_bias to its attention function"):
+        wrapped(input_ids=torch.zeros(2, 16, dtype=torch.long), score_bias=torch.zeros(2, 4, 8, 16))
     with pytest.raises(ValueError, match=r"WhisperForCausalLM counts its positions from its input's length"):
         check_cp("whisper", plan="auto", packed=True)
     return "refused"

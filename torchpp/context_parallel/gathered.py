@@ -56,36 +56,40 @@ def visible_keys(cp, module: nn.Module, batch: int, local_len: int, position_ids
     return visible.unsqueeze(1)
 
 
-SINK_COLUMNS = 8  # (a whole block of extra key columns keeps fused kernels' head-width alignment)
+SINK_COLUMNS = 8  # (a whole block of extra columns keeps fused kernels' head-width alignment)
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
-                     scaling: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     scaling: Optional[float], sinks: Optional[torch.Tensor] = None,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax attention of ``query`` [b, h, s_q, d] to ``key``/``value`` [b, h_kv, s_k, d(_v)]
-    where ``allowed`` [b, 1, s_q, s_k], with per-head ``sinks`` in each denominator (GPT-OSS's,
-    DeepSeek-V4's). Returns [b, s_q, h, d_v].
+    where ``allowed`` [b, 1, s_q, s_k], scores plus an additive ``bias`` [b, h or 1, s_q, s_k]
+    (Inkling's relative positions), with ``sinks`` in each denominator: one logit per head [h]
+    (GPT-OSS's, DeepSeek-V4's) or per head and query [b, h, s_q, 1] (Inkling 2's). Returns
+    [b, s_q, h, d_v].
 
-    Runs PyTorch's SDPA with the boolean mask, whose fused kernels (flash on CPU, memory-efficient
-    on CUDA) keep no [s_q, s_k] scores: the mask is the only quadratic tensor. A sink is one more
-    key per head that every query sees with score ``sink`` and a zero value: queries get a column
-    of ones, that key ``sink / scale`` in it (and zeros elsewhere), so its gradient reaches the sink.
-    Keys and values of different widths (MLA) are zero-padded to one width, as fused kernels need."""
+    Runs PyTorch's SDPA with the mask, whose fused kernels (flash on CPU, memory-efficient on CUDA)
+    keep no scores: without a bias the boolean mask is the only quadratic tensor. A sink is one
+    more key with a zero value that every query sees: the key holds a 1 in an extra column where
+    each query holds ``sink / scale``, so its score is the sink and its gradient reaches it. Keys
+    and values of different widths (MLA) are zero-padded to one width, as fused kernels need."""
     batch, heads, length, _ = query.shape
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
     value_dim = value.size(-1)
+    mask = allowed if bias is None else bias.to(query.dtype).masked_fill(~allowed, float("-inf"))
     if sinks is not None:
-        groups = heads // key.size(1)
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        ones = query.new_ones(batch, heads, length, 1)
-        query = torch.cat([query, ones, query.new_zeros(batch, heads, length, SINK_COLUMNS - 1)], dim=-1)
-        sink = (sinks.to(key.dtype) / scale).reshape(1, heads, 1, 1).expand(batch, -1, -1, -1)
-        sink_key = torch.cat([key.new_zeros(batch, heads, 1, key.size(-1)), sink,
-                              key.new_zeros(batch, heads, 1, SINK_COLUMNS - 1)], dim=-1)
+        logit = (sinks.to(query.dtype) / scale)
+        logit = logit.reshape(1, heads, 1, 1) if logit.dim() == 1 else logit
+        query = torch.cat([query, logit.expand(batch, heads, length, 1),
+                           query.new_zeros(batch, heads, length, SINK_COLUMNS - 1)], dim=-1)
+        sink_key = torch.cat([key.new_zeros(batch, key.size(1), 1, key.size(-1)), key.new_ones(batch, key.size(1), 1, 1),
+                              key.new_zeros(batch, key.size(1), 1, SINK_COLUMNS - 1)], dim=-1)
         key = torch.cat([torch.cat([key, key.new_zeros(*key.shape[:-1], SINK_COLUMNS)], dim=-1), sink_key], dim=2)
-        value = torch.cat([value, value.new_zeros(batch, heads, 1, value_dim)], dim=2)
-        allowed = torch.cat([allowed, allowed.new_ones(*allowed.shape[:-1], 1)], dim=-1)
+        value = torch.cat([value, value.new_zeros(batch, value.size(1), 1, value_dim)], dim=2)
+        seen = mask.new_ones(*mask.shape[:-1], 1) if bias is None else mask.new_zeros(*mask.shape[:-1], 1)
+        mask = torch.cat([mask, seen], dim=-1)
     width = max(query.size(-1), value.size(-1))
     query, key, value = (F.pad(t, (0, width - t.size(-1))) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                          enable_gqa=key.size(1) != heads)
     return out[..., :value_dim].transpose(1, 2).contiguous()

@@ -18,6 +18,7 @@ full-batch gradient; the loss a caller sees is the sum over cp (the batch mean).
 from __future__ import annotations
 
 import inspect
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -29,7 +30,7 @@ from torch import nn
 from torchpp import recompute
 from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
 from torchpp.context_parallel.delta_rule import apply_delta_rule
-from torchpp.context_parallel import compressed, indexed
+from torchpp.context_parallel import compressed, indexed, relative_bias
 from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.lightning import apply_lightning
 from torchpp.context_parallel.mamba import apply_mamba2
@@ -37,8 +38,8 @@ from torchpp.context_parallel.own_attention import apply_own_attention
 from torchpp.context_parallel.positions import ModelPositions, apply_positions, check_given
 from torchpp.context_parallel.rg_lru import apply_rg_lru
 from torchpp.context_parallel.selective_scan import apply_selective_scan
-from torchpp.context_parallel.hf_support import (AttentionCalls, attention_configs, check_call, layer_type,
-                                                mark_cross_attention, masked_causally)
+from torchpp.context_parallel.hf_support import (AttentionCalls, attends_over_depth, attention_configs, check_call,
+                                                layer_type, mark_cross_attention, masked_causally)
 
 IGNORE_INDEX = -100
 ATTENTION_NAME = "torchpp_cp"
@@ -176,6 +177,9 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     Llama 4's chunked layers (and ALiBi slopes, from own_attention's adapters), DeepSeek's sparse
     attention (``indices``: ``indexed``); packed rows told apart by their position ids. What it
     cannot shard raises."""
+    if attends_over_depth(module):  # (no token mixing: the model's own eager attention, token by token)
+        own = sys.modules[type(module).__module__].eager_attention_forward
+        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     cp: Optional[ContextParallel] = getattr(module, "torchpp_cp", None)
     if cp is None:
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__} was not wrapped by "
@@ -187,6 +191,13 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
         check_call(module, query, key, None, dropout, None, causal, kwargs)
         cp.calls.count += 1
         return indexed.attend(cp, module, query, key, value, attention_mask, indices, scaling, s_aux), None
+    if isinstance(kwargs.get("position_bias"), torch.Tensor):  # (Inkling's: relative_bias)
+        bias, sinks = kwargs.pop("position_bias"), kwargs.pop("sinks", s_aux)
+        check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
+        cp.calls.count += 1
+        if position_ids is None:
+            position_ids = cp.layer_positions.get("latest")
+        return relative_bias.attend(cp, module, query, key, value, bias, scaling, sinks, position_ids), None
     if layer_type(module) in compressed.LAYER_TYPES:  # (its mask is the model's bias over its compressed entries)
         check_call(module, query, query, None, dropout, None, causal, kwargs)
         cp.calls.count += 1
@@ -237,6 +248,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     apply_own_attention(model, _recomputed_attention if recompute_core else _attention)
     indexed.apply_indexed_attention(model, cp)
     compressed.apply_compressed_attention(model, cp)
+    relative_bias.apply_relative_biases(model, cp)
     mark_cross_attention(model)
     apply_halos(model, cp)
     apply_delta_rule(model, cp)

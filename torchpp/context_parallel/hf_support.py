@@ -18,6 +18,7 @@ from torchpp.context_parallel.delta_rule import defines_delta_rule, delta_rule_c
 from torchpp.context_parallel.compressed import defines_compressed_attention, refusal as compressed_refusal
 from torchpp.context_parallel.indexed import defines_indexed_attention, refusal as indexed_refusal
 from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
+from torchpp.context_parallel.relative_bias import refusal as relative_bias_refusal
 from torchpp.context_parallel.halo import halo_conv
 from torchpp.context_parallel.own_attention import (counts_keys_by_index, own_attention_modules, refusal as own_refusal,
                                                      splits_packed_rows)
@@ -71,6 +72,9 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
     if indexed:
         raise NotImplementedError(f"{where}'s layers of type 'indexed_attention' use {indexed}, which sharded "
                                   f"attention does not implement")
+    biased = relative_bias_refusal(model)
+    if biased:
+        raise NotImplementedError(f"{where} {biased}")
     compressed = compressed_refusal(model) if defines_compressed_attention(model) else ""
     if compressed:
         raise NotImplementedError(f"{where}'s compressed-attention layers use {compressed}, which sharded "
@@ -104,6 +108,18 @@ def attention_configs(model: nn.Module) -> Dict[int, object]:
 # travel with every layer's); any other would be ignored by sharded attention (Inkling's relative
 # position bias, flash kernels' packed offsets).
 UNREAD_TENSORS = ("cache_position", "labels", "num_items_in_batch", "shift_labels")
+
+
+# Modules calling the attention function across depth, not the sequence: each token's learned
+# queries over its own earlier blocks' states (Inkling 2's attention residuals). They run as the
+# model's eager attention would, on each token alone.
+DEPTH_ATTENTION = ("modeling_inkling2.Inkling2BlockAttentionResidual",
+                   "modeling_inkling2_loop.Inkling2LoopBlockAttentionResidual",
+                   "modeling_inkling2_loop.Inkling2LoopMessageAttentionResidual")
+
+
+def attends_over_depth(module: nn.Module) -> bool:
+    return any(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" in DEPTH_ATTENTION for cls in type(module).__mro__)
 
 
 # Where a decoder layer keeps its attention to an encoder's states (BART's, BERT's, Whisper's).
