@@ -11,7 +11,8 @@ x tp=2 and x pp=2) and Llama 4's chunked layers too. Bad inputs raise on every r
 value; what sharded attention cannot do (an indexer it does not know) raises naming it. DeepSeek
 Sparse Attention (an indexer picking each query's keys) with its keys gathered, and DeepSeek-V4's
 compressed entries over windows spanning ranks, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2; MLA's
-keys and values of different widths; Inkling's relative position biases from global distances. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
+keys and values of different widths; Inkling's relative position biases from global distances; Doge's
+dynamic mask from gathered per-key biases. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
 short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
 gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
 started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2;
@@ -173,7 +174,10 @@ def check_sparse_attention():
             "qwen4_exp (blocks pooled, a mask) packed": check_cp("qwen4_exp", plan="auto", packed=True),
             "deepseek_v3 narrow values": check_cp("deepseek_v3", v_head_dim=8),
             "deepseek_v3 wide values packed": check_cp("deepseek_v3", v_head_dim=24, packed=True),
-            **check_compressed_attention(), **check_relative_biases()}
+            **check_compressed_attention(), **check_relative_biases(),
+            # Doge's dynamic mask: per-key biases from the values, gathered; each query keeps its 3 keys of
+            # largest bias (the model's own top-k, on this rank's rows of the mask).
+            "doge packed": check_cp("doge", keep_window_size=3, packed=True)}
 
 
 def check_relative_biases():
@@ -210,7 +214,7 @@ def check_compressed_attention():
 
 def test_cp2_attention_to_keys_beyond_the_shard_sparse_compressed_or_biased_and_mla_widths(ranks):
     results = ranks(2).run(check_sparse_attention, timeout=TIMEOUT_S)
-    assert all(len(r) == 12 and all("grads on this rank" in d for d in r.values()) for r in results), results
+    assert all(len(r) == 13 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
 def check_outside_attention_functions_at(dims: str):

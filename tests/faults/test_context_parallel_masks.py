@@ -115,6 +115,13 @@ def _layers_without_attention():
     # layer 0 calls attention before layer 1 runs.
     with pytest.raises(NotImplementedError, match=r"LlamaAttention passes score_bias to its attention function"):
         wrapped(input_ids=torch.zeros(2, 16, dtype=torch.long), score_bias=torch.zeros(2, 4, 8, 16))
+    # A mask an attention module makes itself (Doge's is served: tests/distributed/test_context_parallel_models.py).
+    own_mask = parallelize(tiny_model("llama"), state=torchpp.init_parallel(cp=2))
+    own_mask.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: (args, {**kwargs, "attention_mask": torch.zeros(2, 1, 8, 8)}), with_kwargs=True)
+    with pytest.raises(NotImplementedError, match=r"LlamaAttention is given an attention mask it built itself "
+                                                  r"\(Tensor \(2, 1, 8, 8\)\)"):
+        own_mask(input_ids=torch.zeros(2, 16, dtype=torch.long))
     with pytest.raises(ValueError, match=r"WhisperForCausalLM counts its positions from its input's length"):
         check_cp("whisper", plan="auto", packed=True)
     return "refused"

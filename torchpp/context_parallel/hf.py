@@ -30,7 +30,7 @@ from torch import nn
 from torchpp import recompute
 from torchpp.context_parallel import LAYOUTS, MODES, attention, sequence_positions, shard_sequence
 from torchpp.context_parallel.delta_rule import apply_delta_rule
-from torchpp.context_parallel import compressed, indexed, relative_bias
+from torchpp.context_parallel import compressed, dynamic_mask, indexed, relative_bias
 from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.lightning import apply_lightning
 from torchpp.context_parallel.mamba import apply_mamba2
@@ -191,6 +191,10 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
         check_call(module, query, key, None, dropout, None, causal, kwargs)
         cp.calls.count += 1
         return indexed.attend(cp, module, query, key, value, attention_mask, indices, scaling, s_aux), None
+    if dynamic_mask.builds_dynamic_mask(module):  # (Doge's mask, built by the model on its gathered per-key biases)
+        check_call(module, query, key, None, dropout, sliding_window, causal, kwargs)
+        cp.calls.count += 1
+        return dynamic_mask.attend(cp, module, query, key, value, attention_mask, scaling), None
     if isinstance(kwargs.get("position_bias"), torch.Tensor):  # (Inkling's: relative_bias)
         bias, sinks = kwargs.pop("position_bias"), kwargs.pop("sinks", s_aux)
         check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
@@ -249,6 +253,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     indexed.apply_indexed_attention(model, cp)
     compressed.apply_compressed_attention(model, cp)
     relative_bias.apply_relative_biases(model, cp)
+    dynamic_mask.apply_dynamic_masks(model, cp)
     mark_cross_attention(model)
     apply_halos(model, cp)
     apply_delta_rule(model, cp)
