@@ -13,7 +13,8 @@ Sparse Attention (an indexer picking each query's keys) with its keys gathered, 
 compressed entries over windows spanning ranks, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2; MLA's
 keys and values of different widths; Inkling's relative position biases from global distances; Doge's
 dynamic mask from gathered per-key biases. Gemma 2's capped scores (and VaultGemma's) with their sliding layers; LFM2-family
-short convolutions run chunk by chunk with the tokens before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
+short convolutions (and ZAYA's convolutional attention projection) run chunk by chunk with the tokens
+before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
 gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
 started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2;
 Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid, Zamba2).
@@ -281,20 +282,24 @@ CONV_LAYERS = ["conv", "full_attention", "conv", "full_attention"]
 def check_short_convolutions():
     """LFM2-family short convolutions, each chunk run with the tokens before it from their ranks:
     kernel 3 with biases on packed rows, LFM3's kernel 7 reaching over two chunks of 4 (and both
-    chunks of the rank before the first one), LFM2-MoE in the other mode and layout."""
+    chunks of the rank before the first one), LFM2-MoE in the other mode and layout; ZAYA's attention
+    projection (a depthwise then a grouped convolution over queries and keys, kernels 3 and 3: four
+    tokens back, and half of each value head from the token before; summing only the first kernel's
+    reach fails it), on packed rows."""
     return {"lfm2 packed": check_cp("lfm2", layer_types=CONV_LAYERS, conv_bias=True, packed=True),
             "lfm3 kernel 7": check_cp("lfm3", conv_bias=True),
-            "lfm2_moe contiguous all-gather": check_cp("lfm2_moe", mode="all-gather", layout="contiguous")}
+            "lfm2_moe contiguous all-gather": check_cp("lfm2_moe", mode="all-gather", layout="contiguous"),
+            "zaya packed": check_cp("zaya", plan="auto", cca_time0=3, cca_time1=3, packed=True)}
 
 
 def test_cp2_short_convolutions_with_halos(ranks):
     results = ranks(2).run(check_short_convolutions, timeout=TIMEOUT_S)
-    assert all(len(r) == 3 for r in results), results
+    assert all(len(r) == 4 for r in results), results
 
 
 def check_short_convolutions_at(dims: str):
     if dims == "cp4":  # chunks of 2 tokens: a kernel-7 halo spans three chunks held by three ranks
-        return check_cp("lfm3", cp=4, conv_bias=True)
+        return [check_cp("lfm3", cp=4, conv_bias=True), check_cp("zaya", cp=4, plan="auto", cca_time0=3, cca_time1=3)]
     if dims == "cp2xpp2":  # LFM2 ties its embedding and head: their group, one per cp rank (a hang before)
         return check_cp("lfm2", pp=2, plan="auto", layer_types=CONV_LAYERS, conv_bias=True, packed=True)
     return check_cp("lfm2", tp=2, plan="auto", layer_types=CONV_LAYERS, conv_bias=True)
@@ -303,7 +308,7 @@ def check_short_convolutions_at(dims: str):
 @pytest.mark.parametrize("dims", ["cp4", "cp2xtp2", "cp2xpp2"])
 def test_short_convolutions_at_cp4_and_with_tp(ranks, dims):
     results = ranks(4).run(check_short_convolutions_at, dims, timeout=TIMEOUT_S)
-    assert len(results) == 4 and all(isinstance(r, str) for r in results), results
+    assert len(results) == 4 and all(isinstance(r, (str, list)) for r in results), results
 
 
 def check_delta_rule():

@@ -10,8 +10,9 @@ At the start of the sequence fewer tokens precede the chunk, and the mixer's own
 applies, as on the whole sequence. The gather's backward reduce-scatters, so the neighbours'
 tokens get their gradient.
 
-Only mixers known to be per token except for one causal depthwise convolution are served
-(``HALO_MIXERS``): running them on the k-1 extra tokens is then exact for the chunk's tokens.
+Only mixers known to be per token except for causal convolutions are served (``HALO_MIXERS``):
+running them on the tokens they reach back (k-1 for one kernel of k) is then exact for the chunk's
+tokens.
 Their inputs along the sequence (``SEQUENCE_INPUTS``: the hidden states, and the input Inkling 2's
 per-token taps are projected from) are extended alike.
 """
@@ -31,30 +32,42 @@ from torchpp.ops import gather_from_sp_region
 if TYPE_CHECKING:
     from torchpp.context_parallel.hf import ContextParallel
 
-# Mixer classes whose forward is per token but for one causal convolution: the attribute holding
-# its nn.Conv1d, or None where the taps are computed per token (Inkling 2's dynamic convolutions,
-# whose kernel is ``conv_kernel_size``).
-HALO_MIXERS = {"Lfm2ShortConv": "conv", "Lfm2MoeShortConv": "conv", "Lfm3ShortConv": "conv",
-               "InklingShortConvolution": "conv1d", "Inkling2ShortConvolution": "conv1d",
-               "Inkling2LoopShortConvolution": "conv1d", "Inkling2DynamicShortConvolution": None,
-               "Inkling2LoopDynamicShortConvolution": None}
+# Mixer classes whose forward is per token but for causal convolutions over the sequence: the
+# attributes holding their nn.Conv1d (stacked ones reach back the sum of their kernels less one),
+# or none where the taps are computed per token (Inkling 2's dynamic convolutions, whose kernel is
+# ``conv_kernel_size``).
+HALO_MIXERS = {"Lfm2ShortConv": ("conv",), "Lfm2MoeShortConv": ("conv",), "Lfm3ShortConv": ("conv",),
+               "InklingShortConvolution": ("conv1d",), "Inkling2ShortConvolution": ("conv1d",),
+               "Inkling2LoopShortConvolution": ("conv1d",), "Inkling2DynamicShortConvolution": (),
+               "Inkling2LoopDynamicShortConvolution": (),
+               # ZAYA's compressed convolutional attention projection: a depthwise then a grouped causal
+               # convolution over its queries and keys, and half of each value head from the token before.
+               "ZayaCCAProjection": ("conv_qk_depthwise", "conv_qk_grouped")}
+# Tokens back a mixer reads besides its convolutions (ZAYA's delayed value half: one).
+EXTRA_REACH = {"ZayaCCAProjection": 1}
 SEQUENCE_INPUTS = ("hidden_states", "dynamic_input")
 
 
-def halo_conv(module: nn.Module) -> Optional[nn.Conv1d]:
-    """The causal convolution of a mixer torchpp runs on a shard with halos, or None."""
-    attr = HALO_MIXERS.get(type(module).__name__)
-    conv = getattr(module, attr, None) if attr else None
-    return conv if isinstance(conv, nn.Conv1d) else None
+def halo_convs(module: nn.Module) -> List[nn.Conv1d]:
+    """The causal convolutions of a mixer torchpp runs on a shard with halos (none for others)."""
+    convs = [getattr(module, attr, None) for attr in HALO_MIXERS.get(type(module).__name__, ())]
+    return [conv for conv in convs if isinstance(conv, nn.Conv1d)]
 
 
 def halo_length(module: nn.Module) -> Optional[int]:
-    """The tokens a ``HALO_MIXERS`` module reads before each of its own (k - 1), or None for others."""
-    if type(module).__name__ not in HALO_MIXERS:
+    """The tokens a ``HALO_MIXERS`` module reads before each of its own, or None for others."""
+    name = type(module).__name__
+    if name not in HALO_MIXERS:
         return None
-    conv = halo_conv(module)
-    kernel = conv.kernel_size[0] if conv is not None else getattr(module, "conv_kernel_size", None)
-    return kernel - 1 if isinstance(kernel, int) else None
+    convs = halo_convs(module)
+    if convs:
+        reach = sum(conv.kernel_size[0] - 1 for conv in convs)
+    else:
+        kernel = getattr(module, "conv_kernel_size", None)
+        if not isinstance(kernel, int):
+            return None
+        reach = kernel - 1
+    return max(reach, EXTRA_REACH.get(name, 0))
 
 
 def chunk_owner(chunk: int, size: int, layout: str) -> Tuple[int, int]:
@@ -88,13 +101,16 @@ def run_with_halos(cp: "ContextParallel", inputs: List[List[torch.Tensor]], halo
                    out_dim: int) -> torch.Tensor:
     """``run`` on each piece of ``inputs`` (one list of [b, n, ...] pieces per input along the
     sequence) preceded by its halo, the halo's outputs dropped along ``out_dim``; the pieces'
-    outputs joined in shard order."""
+    outputs (a tensor or a tuple of them) joined in shard order."""
     befores = [halos_before(cp, pieces, halo) for pieces in inputs]
     outs = []
     for index in range(len(inputs[0])):
         out = run(*(torch.cat([before[index], pieces[index]], dim=1) for before, pieces in zip(befores, inputs)))
         kept = befores[0][index].size(1)
-        outs.append(out.narrow(out_dim, kept, out.size(out_dim) - kept))
+        outs.append(tuple(o.narrow(out_dim, kept, o.size(out_dim) - kept) for o in out) if isinstance(out, tuple)
+                    else out.narrow(out_dim, kept, out.size(out_dim) - kept))
+    if isinstance(outs[0], tuple):  # (a mixer returning several tensors along the sequence: ZAYA's q, k, v)
+        return tuple(torch.cat(parts, dim=out_dim) for parts in zip(*outs))
     return torch.cat(outs, dim=out_dim)
 
 

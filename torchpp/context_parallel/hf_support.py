@@ -19,7 +19,7 @@ from torchpp.context_parallel.compressed import defines_compressed_attention, re
 from torchpp.context_parallel.indexed import defines_indexed_attention, refusal as indexed_refusal
 from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
 from torchpp.context_parallel.relative_bias import refusal as relative_bias_refusal
-from torchpp.context_parallel.halo import halo_conv
+from torchpp.context_parallel.halo import halo_convs
 from torchpp.context_parallel.own_attention import (counts_keys_by_index, own_attention_modules, refusal as own_refusal,
                                                      splits_packed_rows)
 from torchpp.context_parallel.positions import ModelPositions, decide_positions
@@ -88,7 +88,7 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
         if dropout:
             raise ValueError(f"torchpp.parallelize: cp={size} needs attention_dropout=0 (the model's config has "
                              f"{dropout}): sharded attention has no dropout")
-    haloed = {id(halo_conv(module)) for module in model.modules() if halo_conv(module) is not None}
+    haloed = {id(conv) for module in model.modules() for conv in halo_convs(module)}
     haloed |= {id(conv) for conv in (delta_rule_convs(model) + mamba2_convs(model) + selective_scan_convs(model)
                                      + recurrent_block_convs(model))}
     for name, module in model.named_modules():
