@@ -15,8 +15,10 @@ log-sum-exp; the backward passes key/value gradients around the ring (or reduce-
 | sequence_positions  | the global positions this rank's shard holds                |
 
 Model-level integration: ``parallelize(model, cp=)`` (``torchpp.context_parallel.hf``: attention;
-``halo``: short convolutions; ``chunk_states`` with ``delta_rule``, ``mamba``, ``selective_scan``,
-``rg_lru`` and ``lightning``: linear recurrences). See docs/context_parallel.md.
+``gathered`` with ``indexed``, ``compressed``, ``relative_bias`` and ``dynamic_mask``: attention to
+keys beyond the shard, chosen by content or of the model's own; ``halo``: short convolutions;
+``chunk_states`` with ``delta_rule``, ``mamba``, ``selective_scan``, ``rg_lru`` and ``lightning``:
+linear recurrences). See docs/context_parallel.md.
 """
 from __future__ import annotations
 

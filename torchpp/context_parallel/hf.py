@@ -170,13 +170,35 @@ def _chunk_ids(cp: ContextParallel, segments: Optional[torch.Tensor], position_i
     return segments * (local_len * cp.size // chunk + 1) + position_ids.expand_as(segments) // chunk
 
 
+def _gathered_route(cp: ContextParallel, module: nn.Module, kwargs: dict):
+    """The attention over gathered keys (``gathered``) a call needs, as a function of (query, key,
+    value, mask, scaling, sinks, position ids), or None: keys an indexer chooses (``indexed``), a mask
+    the model builds from per-key biases (``dynamic_mask``), relative position biases
+    (``relative_bias``), compressed entries of the model's own (``compressed``). Pops what it reads
+    of the call's keywords."""
+    indices = kwargs.pop("indices", None)
+    if indices is not None or layer_type(module) == indexed.LAYER_TYPE:
+        return lambda q, k, v, mask, scaling, sinks, positions: indexed.attend(cp, module, q, k, v, mask, indices,
+                                                                               scaling, sinks)
+    if dynamic_mask.builds_dynamic_mask(module):
+        return lambda q, k, v, mask, scaling, sinks, positions: dynamic_mask.attend(cp, module, q, k, v, mask, scaling)
+    if isinstance(kwargs.get("position_bias"), torch.Tensor):
+        bias, own_sinks = kwargs.pop("position_bias"), kwargs.pop("sinks", None)
+        return lambda q, k, v, mask, scaling, sinks, positions: relative_bias.attend(
+            cp, module, q, k, v, mask, bias, scaling, sinks if own_sinks is None else own_sinks, positions)
+    if layer_type(module) in compressed.LAYER_TYPES:
+        return lambda q, k, v, mask, scaling, sinks, positions: compressed.attend(cp, module, q, k, v, mask, scaling,
+                                                                                  sinks, positions)
+    return None
+
+
 def _attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                sliding_window=None, softcap=None, position_ids=None, s_aux=None, alibi_slopes=None, **kwargs):
     """transformers' attention-function interface over torchpp.context_parallel.attention: causal
     (or not, by the module's ``is_causal``), sliding windows, attention sinks, capped scores and
-    Llama 4's chunked layers (and ALiBi slopes, from own_attention's adapters), DeepSeek's sparse
-    attention (``indices``: ``indexed``); packed rows told apart by their position ids. What it
-    cannot shard raises."""
+    Llama 4's chunked layers (and ALiBi slopes, from own_attention's adapters); packed rows told
+    apart by their position ids. Layers reaching keys beyond the shard attend over gathered keys
+    (``_gathered_route``). What it cannot shard raises."""
     if attends_over_depth(module):  # (no token mixing: the model's own eager attention, token by token)
         own = sys.modules[type(module).__module__].eager_attention_forward
         return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -186,32 +208,15 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
                            f"parallelize(..., cp=)")
     causal = kwargs.pop("is_causal", None)  # a call's own is_causal wins over its module's, as in transformers'
     causal = masked_causally(module) if causal is None else causal
-    indices = kwargs.pop("indices", None)
-    if indices is not None or layer_type(module) == indexed.LAYER_TYPE:  # (its mask is gathered.visible_keys')
-        check_call(module, query, key, None, dropout, None, causal, kwargs)
-        cp.calls.count += 1
-        return indexed.attend(cp, module, query, key, value, attention_mask, indices, scaling, s_aux), None
-    if dynamic_mask.builds_dynamic_mask(module):  # (Doge's mask, built by the model on its gathered per-key biases)
-        check_call(module, query, key, None, dropout, sliding_window, causal, kwargs)
-        cp.calls.count += 1
-        return dynamic_mask.attend(cp, module, query, key, value, attention_mask, scaling), None
-    if isinstance(kwargs.get("position_bias"), torch.Tensor):  # (Inkling's: relative_bias)
-        bias, sinks = kwargs.pop("position_bias"), kwargs.pop("sinks", s_aux)
-        check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
-        cp.calls.count += 1
-        if position_ids is None:
-            position_ids = cp.layer_positions.get("latest")
-        return relative_bias.attend(cp, module, query, key, value, bias, scaling, sinks, position_ids), None
-    if layer_type(module) in compressed.LAYER_TYPES:  # (its mask is the model's bias over its compressed entries)
-        check_call(module, query, query, None, dropout, None, causal, kwargs)
-        cp.calls.count += 1
-        if position_ids is None:
-            position_ids = cp.layer_positions.get("latest")
-        return compressed.attend(cp, module, query, key, value, attention_mask, scaling, s_aux, position_ids), None
-    check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
-    cp.calls.count += 1
     if position_ids is None:
         position_ids = cp.layer_positions.get("latest")
+    gathered = _gathered_route(cp, module, kwargs)
+    if gathered is not None:  # (its keys' length and mask are the route's own to check)
+        check_call(module, query, query, None, dropout, sliding_window, causal, kwargs)
+        cp.calls.count += 1
+        return gathered(query, key, value, attention_mask, scaling, s_aux, position_ids), None
+    check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
+    cp.calls.count += 1
     segments = _segment_ids(cp, position_ids, query.size(2))
     if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)

@@ -71,10 +71,13 @@ def apply_relative_biases(model: nn.Module, cp) -> None:
 
 
 def attend(cp, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           position_bias: torch.Tensor, scaling: Optional[float], sinks: Optional[torch.Tensor],
-           position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+           attention_mask: Optional[torch.Tensor], position_bias: torch.Tensor, scaling: Optional[float],
+           sinks: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]) -> torch.Tensor:
     """This rank's queries [b, h, s_local, d] attending to the gathered keys (causal, its window,
     its packed row) with the bias [b, h, s_local, s] added. Returns [b, s_local, h, d_v]."""
+    from torchpp.context_parallel.hf_support import check_call
+
+    check_call(module, query, key, attention_mask, 0.0, None, True, {})  # (a mask of the model's own: refused)
     local = query.size(2)
     if position_bias.shape[-2:] != (local, local * cp.size):
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__}'s position bias covers "
