@@ -21,8 +21,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchpp.context_parallel.gathered import (call_argument, masked_attention, gather_keys, visible_keys,
-                                               with_argument)
+from torchpp.context_parallel.families import named_in
+from torchpp.context_parallel.gathered import (call_argument, gather_keys, gathering_output, masked_attention,
+                                               visible_keys, with_argument)
 
 LAYER_TYPES = ("heavily_compressed_attention", "compressed_sparse_attention")
 
@@ -37,7 +38,7 @@ PROJECTIONS = ("kv_proj", "gate_proj")
 
 
 def _known(module: nn.Module) -> bool:
-    return any(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" in COMPRESSORS for cls in type(module).__mro__)
+    return named_in(module, COMPRESSORS)
 
 
 def _compressed_attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -63,12 +64,6 @@ def refusal(model: nn.Module) -> str:
     return ""
 
 
-def _gather_output(cp):
-    def hook(projection, args, output):
-        return gather_keys(cp, output, dim=1)
-    return hook
-
-
 def _give_empty_mask(cp):
     # The model appends its bias over the compressed entries to a given mask: an empty one makes
     # the attention function's mask exactly that bias, [b, 1, s_local, entries].
@@ -88,7 +83,7 @@ def apply_compressed_attention(model: nn.Module, cp) -> None:
         for compressor in module.compressor.modules():
             if _known(compressor):
                 for name in PROJECTIONS:
-                    getattr(compressor, name).register_forward_hook(_gather_output(cp))
+                    getattr(compressor, name).register_forward_hook(gathering_output(cp))
         module._torchpp_compressed = True
 
 

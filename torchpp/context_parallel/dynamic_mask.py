@@ -15,8 +15,8 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from torchpp.context_parallel.gathered import (call_argument, gather_keys, masked_attention, visible_keys,
-                                               with_argument)
+from torchpp.context_parallel.families import named_in
+from torchpp.context_parallel.gathered import gather_keys, gathering_output, giving_visible_mask, masked_attention
 
 # Attention modules by modeling module and class whose per-key bias comes from ``dt_proj`` (each
 # checked against the unwrapped model in tests).
@@ -24,35 +24,18 @@ FAMILIES = ("modeling_doge.DogeAttention",)
 
 
 def builds_dynamic_mask(module: nn.Module) -> bool:
-    return any(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" in FAMILIES for cls in type(module).__mro__)
+    return named_in(module, FAMILIES)
 
 
 def _modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if builds_dynamic_mask(module)]
 
 
-def _gather_biases(cp):
-    def hook(projection, args, output):
-        return gather_keys(cp, output, dim=1)
-    return hook
-
-
-def _give_mask(cp):
-    def hook(module, args, kwargs):
-        hidden = call_argument(module.forward, args, kwargs, "hidden_states")
-        position_ids = kwargs.get("position_ids")
-        if not isinstance(position_ids, torch.Tensor):
-            position_ids = cp.layer_positions.get("latest")
-        mask = visible_keys(cp, module, hidden.size(0), hidden.size(1), position_ids, hidden.device)
-        return with_argument(module.forward, args, kwargs, "attention_mask", mask)
-    return hook
-
-
 def apply_dynamic_masks(model: nn.Module, cp) -> None:
     for _, module in _modules(model):
         if not getattr(module, "_torchpp_dynamic_mask", False):  # (the recompute pass applies cp again)
-            module.register_forward_pre_hook(_give_mask(cp), with_kwargs=True)
-            module.dt_proj.register_forward_hook(_gather_biases(cp))
+            module.register_forward_pre_hook(giving_visible_mask(cp), with_kwargs=True)
+            module.dt_proj.register_forward_hook(gathering_output(cp))
             module._torchpp_dynamic_mask = True
 
 

@@ -34,6 +34,27 @@ def call_argument(forward, args, kwargs, name: str):
     return inspect.signature(forward).bind_partial(*args, **kwargs).arguments.get(name)
 
 
+def gathering_output(cp):
+    """A forward hook replacing a projection's output [b, s_local, ...] with every rank's, in order
+    (its gradient summed back to the rank it came from)."""
+    def hook(projection, args, output):
+        return gather_keys(cp, output, dim=1)
+    return hook
+
+
+def giving_visible_mask(cp):
+    """A forward pre-hook handing an attention module this rank's rows of the mask by position
+    (``visible_keys``) as its ``attention_mask``."""
+    def hook(module, args, kwargs):
+        hidden = call_argument(module.forward, args, kwargs, "hidden_states")
+        position_ids = call_argument(module.forward, args, kwargs, "position_ids")
+        if not isinstance(position_ids, torch.Tensor):  # (given among **kwargs, or to the layer alone)
+            position_ids = kwargs.get("position_ids", cp.layer_positions.get("latest"))
+        mask = visible_keys(cp, module, hidden.size(0), hidden.size(1), position_ids, hidden.device)
+        return with_argument(module.forward, args, kwargs, "attention_mask", mask)
+    return hook
+
+
 def visible_keys(cp, module: nn.Module, batch: int, local_len: int, position_ids: Optional[torch.Tensor],
                  device: torch.device) -> torch.Tensor:
     """[b, 1, s_local, s] bool: which keys (global order) each of this rank's queries may see by

@@ -19,6 +19,7 @@ from torchpp.context_parallel.compressed import defines_compressed_attention, re
 from torchpp.context_parallel.indexed import defines_indexed_attention, refusal as indexed_refusal
 from torchpp.context_parallel.mamba import defines_mamba2, mamba2_convs
 from torchpp.context_parallel.relative_bias import refusal as relative_bias_refusal
+from torchpp.context_parallel.families import named_in
 from torchpp.context_parallel.halo import halo_convs
 from torchpp.context_parallel.own_attention import (counts_keys_by_index, own_attention_modules, refusal as own_refusal,
                                                      splits_packed_rows)
@@ -119,7 +120,7 @@ DEPTH_ATTENTION = ("modeling_inkling2.Inkling2BlockAttentionResidual",
 
 
 def attends_over_depth(module: nn.Module) -> bool:
-    return any(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}" in DEPTH_ATTENTION for cls in type(module).__mro__)
+    return named_in(module, DEPTH_ATTENTION)
 
 
 # Where a decoder layer keeps its attention to an encoder's states (BART's, BERT's, Whisper's).

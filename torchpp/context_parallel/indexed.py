@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from torchpp.context_parallel import unshard_sequence
-from torchpp.context_parallel.gathered import call_argument, masked_attention, gather_keys, visible_keys, with_argument
+from torchpp.context_parallel.families import lookup
+from torchpp.context_parallel.gathered import (call_argument, gather_keys, giving_visible_mask, masked_attention,
+                                               with_argument)
 
 LAYER_TYPE = "indexed_attention"
 
@@ -48,11 +50,7 @@ INDEXERS: Dict[str, bool] = {
 
 def _reads_position_tables(indexer: nn.Module) -> Optional[bool]:
     """Whether a known indexer reads rotary tables at keys' positions (None: not a known indexer)."""
-    for cls in type(indexer).__mro__:
-        known = INDEXERS.get(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}")
-        if known is not None:
-            return known
-    return None
+    return lookup(indexer, INDEXERS)
 
 
 def _known(indexer: nn.Module) -> bool:
@@ -88,17 +86,6 @@ class GatheredIndexerKeys:
         return unshard_sequence(keys, self.cp.group, dim=1, layout=self.cp.layout)
 
 
-def _give_mask(cp):
-    def hook(module, args, kwargs):
-        hidden = call_argument(module.forward, args, kwargs, "hidden_states")
-        position_ids = call_argument(module.forward, args, kwargs, "position_ids")
-        if not isinstance(position_ids, torch.Tensor):
-            position_ids = cp.layer_positions.get("latest")
-        mask = visible_keys(cp, module, hidden.size(0), hidden.size(1), position_ids, hidden.device)
-        return with_argument(module.forward, args, kwargs, "attention_mask", mask)
-    return hook
-
-
 def _whole_tables_then_own(cp, tables):
     """Rotary (cos, sin) [b, s_local, d] as [b, s + s_local, d]: the whole sequence's rows, which an
     indexer indexes by global position, then this rank's, which it takes as its queries' (its last
@@ -124,7 +111,7 @@ def apply_indexed_attention(model: nn.Module, cp) -> None:
     for _, module in _indexed_attention_modules(model):
         if getattr(module, "_torchpp_indexed", False):  # (the recompute pass applies cp again)
             continue
-        module.register_forward_pre_hook(_give_mask(cp), with_kwargs=True)
+        module.register_forward_pre_hook(giving_visible_mask(cp), with_kwargs=True)
         if module.indexer is not None:
             module.indexer.register_forward_pre_hook(_give_keys(cp), with_kwargs=True)
         module._torchpp_indexed = True

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchpp.context_parallel.families import lookup
+
 
 # Each adapter calls module._torchpp_cp_attention (set by apply_own_attention: the plain or the
 # recomputing attention function, as the recompute pass chooses on its second application).
@@ -161,11 +163,7 @@ FAMILIES: Dict[str, Family] = {
 
 
 def _family(module: nn.Module) -> Optional[Family]:
-    for cls in type(module).__mro__:
-        family = FAMILIES.get(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}")
-        if family is not None:
-            return family
-    return None
+    return lookup(module, FAMILIES)
 
 
 def own_attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:

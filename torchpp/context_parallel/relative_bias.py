@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from torchpp.context_parallel.families import lookup
 from torchpp.context_parallel.gathered import gather_keys, masked_attention, visible_keys, with_argument
 
 # Bias modules by modeling module and class: how each is told the distances (each checked against the
@@ -28,11 +29,7 @@ BIASES: Dict[str, str] = {
 
 
 def _kind(module: nn.Module) -> Optional[str]:
-    for cls in type(module).__mro__:
-        kind = BIASES.get(f"{cls.__module__.rpartition('.')[2]}.{cls.__name__}")
-        if kind is not None:
-            return kind
-    return None
+    return lookup(module, BIASES)
 
 
 def _bias_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
