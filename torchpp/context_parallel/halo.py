@@ -42,10 +42,12 @@ HALO_MIXERS = {"Lfm2ShortConv": ("conv",), "Lfm2MoeShortConv": ("conv",), "Lfm3S
                "Inkling2LoopDynamicShortConvolution": (),
                # ZAYA's compressed convolutional attention projection: a depthwise then a grouped causal
                # convolution over its queries and keys, and half of each value head from the token before.
-               "ZayaCCAProjection": ("conv_qk_depthwise", "conv_qk_grouped")}
-# Tokens back a mixer reads besides its convolutions (ZAYA's delayed value half: one).
-EXTRA_REACH = {"ZayaCCAProjection": 1}
-SEQUENCE_INPUTS = ("hidden_states", "dynamic_input")
+               "ZayaCCAProjection": ("conv_qk_depthwise", "conv_qk_grouped"),
+               # RWKV's channel mixing: each token mixed with the one before (its time shift).
+               "RwkvFeedForward": ()}
+# Tokens back a mixer reads besides its convolutions (ZAYA's delayed value half, RWKV's time shift).
+EXTRA_REACH = {"ZayaCCAProjection": 1, "RwkvFeedForward": 1}
+SEQUENCE_INPUTS = ("hidden_states", "dynamic_input", "hidden")
 
 
 def halo_convs(module: nn.Module) -> List[nn.Conv1d]:
@@ -60,14 +62,15 @@ def halo_length(module: nn.Module) -> Optional[int]:
     if name not in HALO_MIXERS:
         return None
     convs = halo_convs(module)
+    kernel = getattr(module, "conv_kernel_size", None)
     if convs:
         reach = sum(conv.kernel_size[0] - 1 for conv in convs)
-    else:
-        kernel = getattr(module, "conv_kernel_size", None)
-        if not isinstance(kernel, int):
-            return None
+    elif isinstance(kernel, int):
         reach = kernel - 1
-    return max(reach, EXTRA_REACH.get(name, 0))
+    else:
+        reach = 0
+    reach = max(reach, EXTRA_REACH.get(name, 0))
+    return reach if reach > 0 else None
 
 
 def chunk_owner(chunk: int, size: int, layout: str) -> Tuple[int, int]:
@@ -107,10 +110,10 @@ def run_with_halos(cp: "ContextParallel", inputs: List[List[torch.Tensor]], halo
     for index in range(len(inputs[0])):
         out = run(*(torch.cat([before[index], pieces[index]], dim=1) for before, pieces in zip(befores, inputs)))
         kept = befores[0][index].size(1)
-        outs.append(tuple(o.narrow(out_dim, kept, o.size(out_dim) - kept) for o in out) if isinstance(out, tuple)
-                    else out.narrow(out_dim, kept, out.size(out_dim) - kept))
-    if isinstance(outs[0], tuple):  # (a mixer returning several tensors along the sequence: ZAYA's q, k, v)
-        return tuple(torch.cat(parts, dim=out_dim) for parts in zip(*outs))
+        outs.append(tuple(None if o is None else o.narrow(out_dim, kept, o.size(out_dim) - kept) for o in out)
+                    if isinstance(out, tuple) else out.narrow(out_dim, kept, out.size(out_dim) - kept))
+    if isinstance(outs[0], tuple):  # (several tensors along the sequence, ZAYA's q, k, v; or RWKV's (out, no state))
+        return tuple(None if parts[0] is None else torch.cat(parts, dim=out_dim) for parts in zip(*outs))
     return torch.cat(outs, dim=out_dim)
 
 
