@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 2 bench/bench_context_parallel.py --part time
     torchrun --standalone --nproc-per-node 4 bench/bench_context_parallel.py --part peak
     torchrun --standalone --nproc-per-node 2 bench/bench_context_parallel.py --part window
+    torchrun --standalone --nproc-per-node 2 bench/bench_context_parallel.py --part sparse
 
 memory  bytes autograd keeps for backward per rank (torchpp.plan.SavedActivationMeter: CPU has no
         allocator statistics) for sequence lengths 1k-4k at cp = 1, 2, 4 (cp=1: the unwrapped
@@ -19,6 +20,11 @@ peak    the attention op alone (torchpp.context_parallel.attention), one forward
         largest rank), ring vs all-gather, against SDPA on the whole sequence in one process
         (the peer), in MB and in units of one rank's key/value shard; from torch.profiler's
         memory timeline (CPU allocations: every tensor the ops make, transfer buffers included).
+sparse  DeepSeek-V3.2 (sparse indexed attention: an indexer keeps each query's top k keys) and
+        DeepSeek-V4 (a sliding window plus compressed entries, heavily compressed and sparse) at
+        cp = world, wrapped by parallelize, against the unwrapped model on one rank (the peer:
+        transformers' own path, SDPA or eager with the whole [s, s] mask): one forward +
+        backward, and the bytes autograd keeps for backward per rank.
 window  the attention op alone with a sliding window (--window) at cp = world, ring: time and peak
         bytes beyond the inputs, against causal attention without a window on the same shards
         and against SDPA with the sliding mask on the whole sequence in one process (the peer:
@@ -206,6 +212,55 @@ def window_part(args, world: int) -> None:
               f"ring window / sdpa window: {med['ring window'] / med['sdpa window']:.3f}")
 
 
+# Small models of the two families, long enough rows for the indexer to choose (its top k below the
+# keys a query sees) and for the compressors to fill their windows (DeepSeek-V3.2's MLPs dense).
+SPARSE_MODELS = {
+    "deepseek_v32": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                         index_n_heads=4, index_head_dim=32, index_topk=256, layer_types=["indexed_attention"] * 2,
+                         mlp_layer_types=["dense"] * 2),
+    "deepseek_v4": dict(hidden_size=256, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, head_dim=64, q_lora_rank=64, index_n_heads=4, index_head_dim=32,
+                        index_topk=256, sliding_window=128,
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+                        mlp_layer_types=["hash_moe", "moe"]),
+}
+
+
+def sparse_part(args, world: int) -> None:
+    from torchpp.testing.tiny_models import tiny_model
+
+    rank = dist.get_rank()
+    state = torchpp.init_parallel(cp=world)
+    ids, labels = batch(args.long_seq)
+    for model_type, overrides in SPARSE_MODELS.items():
+        def build():
+            return tiny_model(model_type, dtype=torch.float32, vocab_size=256, **overrides)
+        variants = {"cp": parallelize(build(), state=state), "unwrapped": build()}
+
+        def step(name):
+            if name == "unwrapped" and rank != 0:
+                return  # the peer runs on one rank; the others wait at the barrier
+            model = variants[name]
+            model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        samples = interleaved(step, variants, args.repeats, warmup=1)
+        kept = {"cp": saved_bytes(variants["cp"], args.long_seq)}
+        if rank == 0:
+            kept["unwrapped"] = saved_bytes(variants["unwrapped"], args.long_seq)
+            med = {name: median_spread(v) for name, v in samples.items()}
+            print(f"{model_type}: forward + backward, seq {args.long_seq}, cp={world}, {args.repeats} repeats "
+                  f"(median, spread); bytes kept for backward per rank")
+            for name in variants:
+                where = "1 rank, full sequence" if name == "unwrapped" else f"cp={world}"
+                print(f"  {name:10s} {med[name][0] * 1e3:9.1f} ms  spread {med[name][1]:.2f}  "
+                      f"{kept[name] / 1e6:9.2f} MB  ({where})")
+            print(f"  cp / unwrapped: time {med['cp'][0] / med['unwrapped'][0]:.3f}, "
+                  f"kept bytes {kept['cp'] / kept['unwrapped']:.3f}")
+
+
 def exchange_seconds(kv: torch.Tensor, repeats: int) -> float:
     """The ring's step alone: send a key/value shard to the next rank, receive the previous one's."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -257,7 +312,7 @@ def hidden_share(args, model, ids, labels, world: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("memory", "time", "peak", "window"), required=True)
+    parser.add_argument("--part", choices=("memory", "time", "peak", "window", "sparse"), required=True)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
@@ -275,6 +330,8 @@ def main():
         peak_part(args, world)
     elif args.part == "window":
         window_part(args, world)
+    elif args.part == "sparse":
+        sparse_part(args, world)
     else:
         time_part(args, world)
     dist.destroy_process_group()
