@@ -17,7 +17,8 @@ short convolutions (and ZAYA's convolutional attention projection) run chunk by 
 before each (halos), at cp=2, cp=4 and cp=2 x tp=2;
 gated delta-rule hybrids (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara, Kimi Linear, Bailing hybrid) with each chunk's recurrence
 started from the state the earlier chunks leave, at cp=2, cp=4, cp=2 x tp=2 and cp=2 x pp=2;
-Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid, Zamba2); RWKV's WKV.
+Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid, Zamba2); RWKV's WKV
+and xLSTM's mLSTM.
 Models counting their own positions (RoBERTa's from the tokens, BART's decoders from the length)
 read the whole sequence's, at cp=2, cp=4 and cp=2 x pp=2; models computing attention in their
 own code (Falcon, GPT-Neo, Bloom and MPT with ALiBi) have their softmax routed to sharded attention."""
@@ -379,19 +380,21 @@ def check_elementwise_recurrences():
     starts). RecurrentGemma's scan accumulates in float32 whatever the model's dtype: a float32 model,
     compared at float32's tolerance. RWKV (its WKV ratio run twice per chunk: from zero for its state,
     then from the composed state entering it; its token shifts with a halo of one): starting every
-    chunk from zero, or dropping the halo, fails it."""
+    chunk from zero, or dropping the halo, fails it. xLSTM's mLSTM likewise (its matrix memory,
+    normalizer and running max composed across chunks); starting every chunk empty fails it."""
     return {"mamba": check_cp("mamba"),
             "falcon_mamba contiguous all-gather": check_cp("falcon_mamba", mode="all-gather", layout="contiguous"),
             "jamba packed": check_cp("jamba", packed=True),
             "zamba (a scan per Mamba head)": check_cp("zamba", plan="auto"),
             "recurrent_gemma": check_cp("recurrent_gemma", plan="auto", dtype=torch.float32),
             "recurrent_gemma packed": check_cp("recurrent_gemma", plan="auto", dtype=torch.float32, packed=True),
-            "rwkv contiguous": check_cp("rwkv", plan="auto", layout="contiguous")}
+            "rwkv contiguous": check_cp("rwkv", plan="auto", layout="contiguous"),
+            "xlstm all-gather": check_cp("xlstm", plan="auto", mode="all-gather")}
 
 
-def test_cp2_mamba1_griffin_and_rwkv_models(ranks):
+def test_cp2_mamba1_griffin_rwkv_and_xlstm_models(ranks):
     results = ranks(2).run(check_elementwise_recurrences, timeout=TIMEOUT_S)
-    assert all(len(r) == 7 for r in results), results
+    assert all(len(r) == 8 for r in results), results
 
 
 def check_lightning_attention():
@@ -413,7 +416,8 @@ def check_recurrences_at(dims: str):
     griffin = dict(plan="auto", dtype=torch.float32)
     if dims == "cp4":  # eight chunks of 2 tokens
         return [check_cp("mamba", cp=4), check_cp("recurrent_gemma", cp=4, **griffin),
-                check_cp("minimax", cp=4, block_size=3), check_cp("rwkv", cp=4, plan="auto")]
+                check_cp("minimax", cp=4, block_size=3), check_cp("rwkv", cp=4, plan="auto"),
+                check_cp("xlstm", cp=4, plan="auto")]
     if dims == "cp2xtp2":  # each tensor-parallel rank scans its own channels
         return [check_cp("mamba", tp=2), check_cp("recurrent_gemma", tp=2, **griffin), check_cp("minimax", tp=2)]
     return [check_cp("jamba", pp=2, schedule="1f1b", plan="auto"), check_cp("minimax", pp=2)]

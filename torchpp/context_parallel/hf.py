@@ -37,6 +37,7 @@ from torchpp.context_parallel.mamba import apply_mamba2
 from torchpp.context_parallel.own_attention import apply_own_attention
 from torchpp.context_parallel.positions import ModelPositions, apply_positions, check_given
 from torchpp.context_parallel.rg_lru import apply_rg_lru
+from torchpp.context_parallel.mlstm import apply_mlstm
 from torchpp.context_parallel.rwkv import apply_rwkv
 from torchpp.context_parallel.selective_scan import apply_selective_scan
 from torchpp.context_parallel.hf_support import (AttentionCalls, attends_over_depth, attention_configs, check_call,
@@ -267,6 +268,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     apply_selective_scan(model, cp)
     apply_rg_lru(model, cp)
     apply_rwkv(model, cp)
+    apply_mlstm(model, cp)
     apply_lightning(model, cp)
     record = _record_positions(cp)
     for module in model.modules():  # the attention function gets its module: each one knows the group

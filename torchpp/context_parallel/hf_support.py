@@ -25,6 +25,7 @@ from torchpp.context_parallel.own_attention import (counts_keys_by_index, own_at
                                                      splits_packed_rows)
 from torchpp.context_parallel.positions import ModelPositions, decide_positions
 from torchpp.context_parallel.rg_lru import recurrent_block_convs
+from torchpp.context_parallel.mlstm import defines_mlstm
 from torchpp.context_parallel.rwkv import defines_rwkv
 from torchpp.context_parallel.selective_scan import defines_selective_scan, selective_scan_convs
 
@@ -51,7 +52,7 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
                      splits_packed_rows=splits_packed_rows(own))
     modeling = sys.modules.get(type(model).__module__)
     recurrent = defines_delta_rule(modeling) or defines_mamba2(modeling) or defines_selective_scan(modeling) \
-        or defines_rwkv(modeling)
+        or defines_rwkv(modeling) or defines_mlstm(modeling)
     # (Delta-rule and Mamba hybrids run attention through transformers' functions and their other
     # layers through torchpp's sharded recurrences; a layer doing neither raises at its first forward.
     # Decided by the model's modeling module: every pipeline rank decides alike, whichever layers it holds.)
