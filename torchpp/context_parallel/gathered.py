@@ -1,10 +1,12 @@
 """Attention over the whole sequence's keys, gathered once on every rank of the cp group, for
 layers whose queries reach keys chosen by content rather than by position (DeepSeek's sparse
-indexed attention: ``indexed``) or keys the model adds of its own (DeepSeek-V4's compressed
-entries: ``compressed``). Masks are this rank's rows [b, 1, s_local, s] by global position; the
-keys' and values' gradients reduce-scatter back to the ranks holding them. Attention runs through
-PyTorch's SDPA with a boolean mask: the mask [s_local, s (+ extra keys)] is the one quadratic
-tensor, 1/cp of the mask transformers' SDPA path holds on one process.
+indexed attention: ``indexed``), keys the model adds of its own (DeepSeek-V4's compressed entries:
+``compressed``), or whose scores carry a bias by distance or by key (Inkling's relative positions:
+``relative_bias``; Doge's dynamic mask: ``dynamic_mask``). Masks are this rank's rows
+[b, 1, s_local, s] by global position; the keys' and values' gradients reduce-scatter back to the
+ranks holding them. Attention runs through PyTorch's SDPA: with a boolean mask the mask
+[s_local, s (+ extra keys)] is the one quadratic tensor, 1/cp of the one transformers' SDPA path
+holds on one process; a bias is a float mask per head, as large as the scores it biases.
 """
 from __future__ import annotations
 
