@@ -21,7 +21,8 @@ Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid
 and xLSTM's mLSTM.
 Models counting their own positions (RoBERTa's from the tokens, BART's decoders from the length)
 read the whole sequence's, at cp=2, cp=4 and cp=2 x pp=2; models computing attention in their
-own code (Falcon, GPT-Neo, Bloom and MPT with ALiBi) have their softmax routed to sharded attention."""
+own code (Falcon, GPT-Neo, Bloom and MPT with ALiBi, MegatronBERT, RemBERT, MVP, TrOCR) have their
+softmax routed to sharded attention."""
 import pytest
 import torch
 
@@ -145,11 +146,19 @@ def check_own_attention_code():
             "gpt_neo all-gather contiguous": check_cp("gpt_neo", mode="all-gather", layout="contiguous", window_size=5,
                                                       **fp32),
             "bloom": check_cp("bloom", **fp32), "bloom 3 heads": check_cp("bloom", n_head=3, hidden_size=48, **fp32),
-            "mpt all-gather contiguous": check_cp("mpt", mode="all-gather", layout="contiguous", **fp32)}
+            "mpt all-gather contiguous": check_cp("mpt", mode="all-gather", layout="contiguous", **fp32),
+            # BERT-style self-attention, bidirectional as the model is built (causal as a decoder: its
+            # mask does not split packed rows, so neither does sharded attention); BART's copies, whose
+            # decoders count positions themselves (handed the global ones).
+            "rembert bidirectional": check_cp("rembert", plan="auto"),
+            "megatron-bert decoder packed": check_cp("megatron-bert", plan="auto", is_decoder=True, packed=True),
+            "mvp": check_cp("mvp", plan="auto"), "trocr": check_cp("trocr", plan="auto")}
     with pytest.raises(ValueError, match=r"BloomForCausalLM counts its positions from its input's length"):
         check_cp("bloom", packed=True, **fp32)  # its biases count keys by index: packed rows are refused
     with pytest.raises(NotImplementedError, match=r"FalconForCausalLM uses ALiBi \(config\.alibi\)"):
         check_cp("falcon", plan="auto", alibi=True)
+    with pytest.raises(NotImplementedError, match=r"TrOCRForCausalLM takes no position_ids: it counts its positions"):
+        check_cp("trocr", plan="auto", use_learned_position_embeddings=False)  # (sinusoidal, from the tokens)
     return done
 
 
@@ -159,7 +168,7 @@ def check_outside_attention_functions():
 
 def test_cp2_models_counting_positions_or_attending_in_their_own_code(ranks):
     results = ranks(2).run(check_outside_attention_functions, timeout=TIMEOUT_S)
-    assert all(len(r) == 13 and all("grads on this rank" in d for d in r.values()) for r in results), results
+    assert all(len(r) == 17 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
 def check_sparse_attention():

@@ -13,6 +13,10 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
   rank's heads, become the op's ``alibi_slopes`` (``slope * (j - i)`` by global position, which
   equals their ``slope * j`` up to a constant per query row, which the softmax ignores). Both
   compute their softmax in float32 whatever the model's dtype.
+- MegatronBERT's and RemBERT's BERT-style self-attention (``forward`` written out: query, key and
+  value projections; causal when the model is a decoder, else bidirectional, as their masks), and
+  MVP's and TrOCR's copies of BART's attention (scaled queries, an output projection).
+  Cross-attention and MVP's prompt keys are refused.
 """
 from __future__ import annotations
 
@@ -71,6 +75,44 @@ def _falcon(module: nn.Module) -> None:
         query, key = rotary(query, key, *position_embeddings)
         out, _ = module._torchpp_cp_attention(module, query, key, value, attention_mask, position_ids=position_ids)
         return module.dense(out.reshape(batch, length, module.num_heads * module.head_dim)), None
+    module.forward = forward
+
+
+def _cross_attention_refused(module: nn.Module) -> NotImplementedError:
+    return NotImplementedError(f"torchpp context parallelism: {type(module).__name__} attends to an encoder's states "
+                               f"(cross-attention), which sharded attention does not place in the sequence; run the "
+                               f"decoder alone")
+
+
+def _bert_self_attention(module: nn.Module) -> None:
+    # (causal as its model is a decoder: these causal LMs are built bidirectional unless is_decoder)
+    def forward(hidden_states, attention_mask=None, encoder_hidden_states=None, *args, **kwargs):
+        if encoder_hidden_states is not None:
+            raise _cross_attention_refused(module)
+        shape = (*hidden_states.shape[:-1], -1, module.attention_head_size)
+        query, key, value = (getattr(module, name)(hidden_states).view(shape).transpose(1, 2)
+                             for name in ("query", "key", "value"))
+        out, _ = module._torchpp_cp_attention(module, query, key, value, None,
+                                               scaling=module.attention_head_size ** -0.5,
+                                               is_causal=bool(module.is_decoder))
+        return out.reshape(*hidden_states.shape[:-1], -1), None
+    module.forward = forward
+
+
+def _bart_attention(module: nn.Module) -> None:
+    # (MVP's and TrOCR's copies of BART's attention, written out: scaled queries, an output projection)
+    def forward(hidden_states, key_value_states=None, cache=None, attention_mask=None, attn_prompt=None, *args,
+                **kwargs):
+        if key_value_states is not None:
+            raise _cross_attention_refused(module)
+        if attn_prompt is not None:
+            raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__} prepends prompt keys and "
+                                      f"values (attn_prompt), which sharded attention cannot place in the sequence")
+        shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+        query, key, value = (getattr(module, name)(hidden_states).view(shape).transpose(1, 2)
+                             for name in ("q_proj", "k_proj", "v_proj"))
+        out, _ = module._torchpp_cp_attention(module, query, key, value, None, scaling=module.scaling)
+        return module.out_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
     module.forward = forward
 
 
@@ -159,6 +201,11 @@ FAMILIES: Dict[str, Family] = {
     "modeling_falcon.FalconAttention": Family(_falcon, alibi_in_mask=True),
     "modeling_bloom.BloomAttention": Family(_bloom, counts_keys_by_index=True),
     "modeling_mpt.MptAttention": Family(_mpt, counts_keys_by_index=True),
+    # (BERT's masks are causal by index alone: they do not split packed rows)
+    "modeling_megatron_bert.MegatronBertSelfAttention": Family(_bert_self_attention, splits_packed_rows=False),
+    "modeling_rembert.RemBertSelfAttention": Family(_bert_self_attention, splits_packed_rows=False),
+    "modeling_mvp.MvpAttention": Family(_bart_attention),
+    "modeling_trocr.TrOCRAttention": Family(_bart_attention),
 }
 
 
@@ -171,13 +218,18 @@ def own_attention_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if _family(module) is not None]
 
 
+def _dropout(dropout) -> float:
+    return float(dropout.p if isinstance(dropout, nn.Dropout) else dropout if isinstance(dropout, (int, float)) else 0.0)
+
+
 def refusal(modules: List[Tuple[str, nn.Module]], config) -> str:
     """Why a model whose routed attention ``modules`` are these still cannot be served ('' when it can)."""
     if getattr(config, "alibi", False) and any(_family(m).alibi_in_mask for _, m in modules):
         return "uses ALiBi (config.alibi) built into its attention mask, which sharded attention does not build"
-    # (MPT keeps its attention dropout as a number, OpenAI GPT as a module; the others' configs are checked.)
-    dropout = max((float(getattr(m, "attn_dropout_p", 0.0) or getattr(getattr(m, "attn_dropout", None), "p", 0.0))
-                   for _, m in modules), default=0.0)
+    # (MPT keeps its attention dropout as a number, OpenAI GPT as a module, BERT's and BART's copies
+    # as `dropout`; the others' configs are checked.)
+    dropout = max((float(getattr(m, "attn_dropout_p", 0.0) or getattr(getattr(m, "attn_dropout", None), "p", 0.0)
+                         or _dropout(getattr(m, "dropout", 0.0))) for _, m in modules), default=0.0)
     if dropout:
         return f"has attention dropout {dropout}, which sharded attention does not implement"
     return ""

@@ -105,9 +105,14 @@ def decide_positions(model: nn.Module, where: str, positions: ModelPositions, al
 def _global_positions(cp):
     def hook(module, args, kwargs):
         given = kwargs.get("position_ids")
-        if given is None:
-            raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__} is called without "
-                                      f"position_ids, so it would count this rank's shard from 0")
+        if given is None:  # (MVP's and TrOCR's decoders leave the count to it: their tables take [s] positions)
+            tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("input"))
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+                raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__} is called without "
+                                          f"position_ids or an input it counts from, so it would count this rank's "
+                                          f"shard from 0")
+            kwargs["position_ids"] = cp.positions(tokens.size(1) * cp.size, tokens.device)
+            return args, kwargs
         local = given.size(-1)
         kwargs["position_ids"] = cp.positions(local * cp.size, given.device).expand_as(given)
         return args, kwargs
