@@ -13,8 +13,9 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
   rank's heads, become the op's ``alibi_slopes`` (``slope * (j - i)`` by global position, which
   equals their ``slope * j`` up to a constant per query row, which the softmax ignores). Both
   compute their softmax in float32 whatever the model's dtype.
-- MegatronBERT's and RemBERT's BERT-style self-attention (``forward`` written out: query, key and
-  value projections; causal when the model is a decoder, else bidirectional, as their masks), and
+- MegatronBERT's, RemBERT's and RoFormer's BERT-style self-attention (``forward`` written out:
+  query, key and value projections, RoFormer's rotary; causal when the model is a decoder, else
+  bidirectional, as their masks), and
   MVP's and TrOCR's copies of BART's attention (scaled queries, an output projection).
   Cross-attention and MVP's prompt keys are refused.
 """
@@ -84,18 +85,33 @@ def _cross_attention_refused(module: nn.Module) -> NotImplementedError:
                                f"decoder alone")
 
 
-def _bert_self_attention(module: nn.Module) -> None:
+def _bert_attend(module: nn.Module, hidden_states, sinusoidal_pos=None):
     # (causal as its model is a decoder: these causal LMs are built bidirectional unless is_decoder)
+    shape = (*hidden_states.shape[:-1], -1, module.attention_head_size)
+    query, key, value = (getattr(module, name)(hidden_states).view(shape).transpose(1, 2)
+                         for name in ("query", "key", "value"))
+    if sinusoidal_pos is not None:  # (RoFormer's rotary, its table at global positions: positions.py)
+        rotated = module.apply_rotary_position_embeddings(sinusoidal_pos, query, key,
+                                                          value if module.rotary_value else None)
+        query, key, value = rotated if module.rotary_value else (*rotated, value)
+    out, _ = module._torchpp_cp_attention(module, query, key, value, None, scaling=module.attention_head_size ** -0.5,
+                                           is_causal=bool(module.is_decoder))
+    return out.reshape(*hidden_states.shape[:-1], -1), None
+
+
+def _bert_self_attention(module: nn.Module) -> None:
     def forward(hidden_states, attention_mask=None, encoder_hidden_states=None, *args, **kwargs):
         if encoder_hidden_states is not None:
             raise _cross_attention_refused(module)
-        shape = (*hidden_states.shape[:-1], -1, module.attention_head_size)
-        query, key, value = (getattr(module, name)(hidden_states).view(shape).transpose(1, 2)
-                             for name in ("query", "key", "value"))
-        out, _ = module._torchpp_cp_attention(module, query, key, value, None,
-                                               scaling=module.attention_head_size ** -0.5,
-                                               is_causal=bool(module.is_decoder))
-        return out.reshape(*hidden_states.shape[:-1], -1), None
+        return _bert_attend(module, hidden_states)
+    module.forward = forward
+
+
+def _roformer_self_attention(module: nn.Module) -> None:
+    def forward(hidden_states, attention_mask=None, sinusoidal_pos=None, encoder_hidden_states=None, *args, **kwargs):
+        if encoder_hidden_states is not None:
+            raise _cross_attention_refused(module)
+        return _bert_attend(module, hidden_states, sinusoidal_pos)
     module.forward = forward
 
 
@@ -204,6 +220,7 @@ FAMILIES: Dict[str, Family] = {
     # (BERT's masks are causal by index alone: they do not split packed rows)
     "modeling_megatron_bert.MegatronBertSelfAttention": Family(_bert_self_attention, splits_packed_rows=False),
     "modeling_rembert.RemBertSelfAttention": Family(_bert_self_attention, splits_packed_rows=False),
+    "modeling_roformer.RoFormerSelfAttention": Family(_roformer_self_attention, splits_packed_rows=False),
     "modeling_mvp.MvpAttention": Family(_bart_attention),
     "modeling_trocr.TrOCRAttention": Family(_bart_attention),
 }

@@ -107,11 +107,13 @@ def _global_positions(cp):
         given = kwargs.get("position_ids")
         if given is None:  # (MVP's and TrOCR's decoders leave the count to it: their tables take [s] positions)
             tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("input"))
-            if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            shape = tokens.shape if isinstance(tokens, torch.Tensor) else tokens  # (RoFormer's passes a shape)
+            if not isinstance(shape, (torch.Size, tuple)) or len(shape) < 2:
                 raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__} is called without "
                                           f"position_ids or an input it counts from, so it would count this rank's "
                                           f"shard from 0")
-            kwargs["position_ids"] = cp.positions(tokens.size(1) * cp.size, tokens.device)
+            device = tokens.device if isinstance(tokens, torch.Tensor) else next(module.parameters()).device
+            kwargs["position_ids"] = cp.positions(shape[1] * cp.size, device)
             return args, kwargs
         local = given.size(-1)
         kwargs["position_ids"] = cp.positions(local * cp.size, given.device).expand_as(given)
