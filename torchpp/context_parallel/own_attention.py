@@ -16,7 +16,8 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
 - MegatronBERT's, RemBERT's and RoFormer's BERT-style self-attention (``forward`` written out:
   query, key and value projections, RoFormer's rotary; causal when the model is a decoder, else
   bidirectional, as their masks), and
-  MVP's and TrOCR's copies of BART's attention (scaled queries, an output projection).
+  MVP's and TrOCR's copies of BART's attention (scaled queries, an output projection), XLM's
+  (causal when the model gives it a causal mask).
   Cross-attention and MVP's prompt keys are refused.
 """
 from __future__ import annotations
@@ -132,6 +133,21 @@ def _bart_attention(module: nn.Module) -> None:
     module.forward = forward
 
 
+def _xlm_attention(module: nn.Module) -> None:
+    # (causal when the model gives a [b, s, s] mask, as a causal XLM does; else its mask is padding alone)
+    def forward(input, mask, kv=None, cache=None, output_attentions=False, **kwargs):
+        if kv is not None:
+            raise _cross_attention_refused(module)
+        shape = (*input.shape[:-1], -1, module.head_dim)
+        query, key, value = (getattr(module, name)(input).view(shape).transpose(1, 2)
+                             for name in ("q_lin", "k_lin", "v_lin"))
+        out, _ = module._torchpp_cp_attention(module, query, key, value, None, scaling=module.head_dim ** -0.5,
+                                               is_causal=mask.dim() == 3)
+        outputs = (module.out_lin(out.reshape(*input.shape[:-1], -1)),)
+        return outputs + (None,) if output_attentions else outputs
+    module.forward = forward
+
+
 def alibi_slopes(bias_rows: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """[heads] slopes from a model's ALiBi rows [heads, L] (slope * (j + c) for key j): their
     step from one key to the next. The rows are this rank's heads' under tensor parallelism."""
@@ -221,6 +237,7 @@ FAMILIES: Dict[str, Family] = {
     "modeling_megatron_bert.MegatronBertSelfAttention": Family(_bert_self_attention, splits_packed_rows=False),
     "modeling_rembert.RemBertSelfAttention": Family(_bert_self_attention, splits_packed_rows=False),
     "modeling_roformer.RoFormerSelfAttention": Family(_roformer_self_attention, splits_packed_rows=False),
+    "modeling_xlm.MultiHeadAttention": Family(_xlm_attention, splits_packed_rows=False),
     "modeling_mvp.MvpAttention": Family(_bart_attention),
     "modeling_trocr.TrOCRAttention": Family(_bart_attention),
 }
