@@ -21,7 +21,8 @@ Mamba-2 mixers likewise (Mamba-2, Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid
 and xLSTM's mLSTM.
 Models counting their own positions (RoBERTa's from the tokens, BART's decoders from the length)
 read the whole sequence's, at cp=2, cp=4 and cp=2 x pp=2; models computing attention in their
-own code (Falcon, GPT-Neo, Bloom and MPT with ALiBi, MegatronBERT, RemBERT, RoFormer, MVP, TrOCR, XLM) have their
+own code (Falcon, GPT-Neo, Bloom and MPT with ALiBi, MegatronBERT, RemBERT, RoFormer, BigBird's full
+attention, MVP, TrOCR, XLM) have their
 softmax routed to sharded attention."""
 import pytest
 import torch
@@ -156,11 +157,14 @@ def check_own_attention_code():
             # RoFormer's rotary from a sinusoidal table its encoder counts from the length (handed the
             # global positions; rotated values too).
             "roformer decoder rotary values": check_cp("roformer", plan="auto", is_decoder=True, rotary_value=True),
-            "xlm causal packed": check_cp("xlm", plan="auto", causal=True, packed=True)}
+            "xlm causal packed": check_cp("xlm", plan="auto", causal=True, packed=True),
+            "big_bird full attention": check_cp("big_bird", plan="auto", attention_type="original_full")}
     with pytest.raises(ValueError, match=r"BloomForCausalLM counts its positions from its input's length"):
         check_cp("bloom", packed=True, **fp32)  # its biases count keys by index: packed rows are refused
     with pytest.raises(NotImplementedError, match=r"FalconForCausalLM uses ALiBi \(config\.alibi\)"):
         check_cp("falcon", plan="auto", alibi=True)
+    with pytest.raises(NotImplementedError, match=r"BigBirdForCausalLM uses block-sparse attention"):
+        check_cp("big_bird", plan="auto")
     with pytest.raises(NotImplementedError, match=r"TrOCRForCausalLM takes no position_ids: it counts its positions"):
         check_cp("trocr", plan="auto", use_learned_position_embeddings=False)  # (sinusoidal, from the tokens)
     return done
@@ -172,7 +176,7 @@ def check_outside_attention_functions():
 
 def test_cp2_models_counting_positions_or_attending_in_their_own_code(ranks):
     results = ranks(2).run(check_outside_attention_functions, timeout=TIMEOUT_S)
-    assert all(len(r) == 19 and all("grads on this rank" in d for d in r.values()) for r in results), results
+    assert all(len(r) == 20 and all("grads on this rank" in d for d in r.values()) for r in results), results
 
 
 def check_sparse_attention():

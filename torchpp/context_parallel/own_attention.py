@@ -13,7 +13,8 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
   rank's heads, become the op's ``alibi_slopes`` (``slope * (j - i)`` by global position, which
   equals their ``slope * j`` up to a constant per query row, which the softmax ignores). Both
   compute their softmax in float32 whatever the model's dtype.
-- MegatronBERT's, RemBERT's and RoFormer's BERT-style self-attention (``forward`` written out:
+- MegatronBERT's, RemBERT's, RoFormer's and BigBird's (full attention; block-sparse refused)
+  BERT-style self-attention (``forward`` written out:
   query, key and value projections, RoFormer's rotary; causal when the model is a decoder, else
   bidirectional, as their masks), and
   MVP's and TrOCR's copies of BART's attention (scaled queries, an output projection), XLM's
@@ -223,6 +224,16 @@ class Family:
     counts_keys_by_index: bool = False  # an ALiBi bias gives the positions: no position ids read
     splits_packed_rows: bool = True  # its mask tells packed rows apart by position ids
     alibi_in_mask: bool = False  # config.alibi puts an ALiBi bias into the mask, which cp does not build
+    refuses: Optional[Callable[[object], str]] = None  # why a config of the family cannot be served ('' if it can)
+
+
+def _block_sparse(config) -> str:
+    # (BigBird switches to full attention for sequences too short for its blocks, by the length it is given: a
+    # shard's would be shorter than the whole sequence's)
+    if getattr(config, "attention_type", None) == "block_sparse":
+        return ("uses block-sparse attention (config.attention_type='block_sparse'), which sharded attention does not "
+                "implement; set attention_type='original_full'")
+    return ""
 
 
 # Attention classes by modeling module and name (flash variants subclass them).
@@ -237,6 +248,9 @@ FAMILIES: Dict[str, Family] = {
     "modeling_megatron_bert.MegatronBertSelfAttention": Family(_bert_self_attention, splits_packed_rows=False),
     "modeling_rembert.RemBertSelfAttention": Family(_bert_self_attention, splits_packed_rows=False),
     "modeling_roformer.RoFormerSelfAttention": Family(_roformer_self_attention, splits_packed_rows=False),
+    # (BigBird's full attention; its block-sparse attention is another module, not routed: refused)
+    "modeling_big_bird.BigBirdSelfAttention": Family(_bert_self_attention, splits_packed_rows=False,
+                                                     refuses=_block_sparse),
     "modeling_xlm.MultiHeadAttention": Family(_xlm_attention, splits_packed_rows=False),
     "modeling_mvp.MvpAttention": Family(_bart_attention),
     "modeling_trocr.TrOCRAttention": Family(_bart_attention),
@@ -260,6 +274,10 @@ def refusal(modules: List[Tuple[str, nn.Module]], config) -> str:
     """Why a model whose routed attention ``modules`` are these still cannot be served ('' when it can)."""
     if getattr(config, "alibi", False) and any(_family(m).alibi_in_mask for _, m in modules):
         return "uses ALiBi (config.alibi) built into its attention mask, which sharded attention does not build"
+    for _, module in modules:
+        refused = _family(module).refuses(config) if _family(module).refuses is not None else ""
+        if refused:
+            return refused
     # (MPT keeps its attention dropout as a number, OpenAI GPT as a module, BERT's and BART's copies
     # as `dropout`; the others' configs are checked.)
     dropout = max((float(getattr(m, "attn_dropout_p", 0.0) or getattr(getattr(m, "attn_dropout", None), "p", 0.0)
