@@ -71,10 +71,10 @@ def test_chunked_layers_and_packed_rows_without_position_ids(ranks):
 
 def _own_attention_code():
     state = torchpp.init_parallel(cp=2)
-    # (Bloom's, the case first met, is routed since: own_attention.py.)
-    with pytest.raises(NotImplementedError, match="RoFormerForCausalLM does not run its attention through "
+    # (Bloom's, the case first met, and RoFormer's are routed since: own_attention.py.)
+    with pytest.raises(NotImplementedError, match="XLNetLMHeadModel does not run its attention through "
                                                   "transformers' attention functions"):
-        parallelize(tiny_model("roformer"), state=state, plan="auto")
+        parallelize(tiny_model("xlnet"), state=state, plan="auto")
     return "refused"
 
 
