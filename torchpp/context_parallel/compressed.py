@@ -100,12 +100,13 @@ def attend(cp, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         raise RuntimeError(f"torchpp context parallelism: {type(module).__name__}'s compressed attention was not given "
                            f"its bias over {entries} compressed entries (got "
                            f"{tuple(getattr(entry_bias, 'shape', ()))})")
-    same = value is key  # (DeepSeek-V4 reads one tensor as both: gather it once)
-    keys = torch.cat([gather_keys(cp, key[:, :, :local]), key[:, :, local:]], dim=2)
-    values = keys if same else torch.cat([gather_keys(cp, value[:, :, :local]), value[:, :, local:]], dim=2)
+    # (One check per call, before any collective: a bias with other values would need a float mask.)
     if bool(((entry_bias != 0) & (entry_bias != float("-inf"))).any()):
         raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__}'s bias over its compressed "
                                   f"entries holds values other than 0 and -inf, which a mask cannot express")
+    same = value is key  # (DeepSeek-V4 reads one tensor as both: gather it once)
+    keys = torch.cat([gather_keys(cp, key[:, :, :local]), key[:, :, local:]], dim=2)
+    values = keys if same else torch.cat([gather_keys(cp, value[:, :, :local]), value[:, :, local:]], dim=2)
     visible = visible_keys(cp, module, query.size(0), local, position_ids, query.device)
     allowed = torch.cat([visible, (entry_bias == 0).expand(visible.size(0), -1, -1, -1)], dim=-1)
     return masked_attention(query, keys, values, allowed, scaling, sinks)

@@ -48,6 +48,10 @@ def _sharded_forward(backend: nn.Module, cp: "ContextParallel", forward, query, 
         raise NotImplementedError("torchpp context parallelism: an mLSTM given a state (a cache): sharded layers keep "
                                   "no state (use_cache=False)")
     mode = backend.config.mode if mode is None else mode
+    if mode == "train_with_padding":
+        raise NotImplementedError("torchpp context parallelism: xLSTM's mode 'train_with_padding' pads its input and "
+                                  "returns no last state, which a chunk of the sequence must hand on; use mode 'train' "
+                                  "or 'inference'")
     returns_states = "inference" in mode or bool(
         backend.config.return_last_states if return_last_states is None else return_last_states)
     n_pieces = pieces_of(cp)

@@ -10,13 +10,14 @@ scores it biases: the memory of these layers is the one of written-out scores, 1
 """
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from torchpp.context_parallel.families import lookup
-from torchpp.context_parallel.gathered import gather_keys, masked_attention, visible_keys, with_argument
+from torchpp.context_parallel.gathered import call_argument, gather_keys, masked_attention, visible_keys, with_argument
 
 # Bias modules by modeling module and class: how each is told the distances (each checked against the
 # unwrapped model in tests). "positions": (relative_states, query_positions, key_positions);
@@ -48,10 +49,11 @@ def refusal(model: nn.Module) -> str:
 
 def _global_distances(cp):
     def hook(module, args, kwargs):
-        hidden = args[0] if args else next(iter(kwargs.values()))
-        local = hidden.size(1)
-        queries = cp.positions(local * cp.size, hidden.device)
-        keys = torch.arange(local * cp.size, device=hidden.device)
+        first = next(iter(inspect.signature(module.forward).parameters))  # ([b, s_local, ...] states)
+        states = call_argument(module.forward, args, kwargs, first)
+        local = states.size(1)
+        queries = cp.positions(local * cp.size, states.device)
+        keys = torch.arange(local * cp.size, device=states.device)
         if _kind(module) == "positions":
             args, kwargs = with_argument(module.forward, args, kwargs, "query_positions", queries)
             return with_argument(module.forward, args, kwargs, "key_positions", keys)
