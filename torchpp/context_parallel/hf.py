@@ -251,12 +251,13 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     any pipeline cut, and ``cp`` carries the positions it decided (``model_positions``).
     """
     name = _register(recompute_core)
+    # (own-code adapters first: they read which of transformers' paths the model takes, which can differ)
+    apply_own_attention(model, _recomputed_attention if recompute_core else _attention)
     for config in attention_configs(model).values():
         config._attn_implementation = name
     if layers is not None:
         cp.calls.watch(model.get_submodule(layers), layers)
     apply_positions(model, cp)
-    apply_own_attention(model, _recomputed_attention if recompute_core else _attention)
     indexed.apply_indexed_attention(model, cp)
     compressed.apply_compressed_attention(model, cp)
     relative_bias.apply_relative_biases(model, cp)

@@ -7,8 +7,10 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
   ``config.window_size``; its scores are computed in float32 whatever the model's dtype.
   GPT-NeoX-Japanese's and OpenAI GPT's ``_attn`` likewise (OpenAI GPT's mask does not split
   packed rows, so neither does sharded attention for it).
-- Falcon with rotary positions (``FalconAttention.forward``): multi-query, grouped and the new
-  decoder architecture's heads; Falcon with ALiBi (``config.alibi``) is refused.
+- Falcon (``FalconAttention.forward``): multi-query, grouped and the new decoder architecture's
+  heads; rotary positions, or ALiBi (``config.alibi``), whose bias its model rounds to bfloat16:
+  rebuilt alike over every key of the sequence and added to this rank's scores over gathered keys
+  (``falcon_key_bias``).
 - Bloom and MPT (ALiBi): their per-head slopes, read from the bias rows the model built for this
   rank's heads, become the op's ``alibi_slopes`` (``slope * (j - i)`` by global position, which
   equals their ``slope * j`` up to a constant per query row, which the softmax ignores). Both
@@ -23,6 +25,7 @@ function (``hf._attention``: masks by global position, packed rows, refusals).
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -65,8 +68,25 @@ def _openai_gpt(module: nn.Module) -> None:
     module._attn = _attn
 
 
+def falcon_key_bias(alibi: torch.Tensor, module: nn.Module, batch: int, total: int) -> torch.Tensor:
+    """[b, heads, 1, total] Falcon's ALiBi bias over every key of the sequence, as its model builds
+    it for one process: ``bf16(slope) * j`` rounded to bfloat16 (not linear in j past 256 keys, so
+    no slope reproduces it), divided by the square root of the head width. The slopes are read from
+    the rows the model built for this rank's shard (and heads): key 1's entry is the slope itself."""
+    rows = alibi.view(batch, module.num_heads, -1)
+    if rows.size(-1) < 2:
+        raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__}'s ALiBi bias spans one key "
+                                  f"on this rank; its slopes need two (a shard of at least 2 tokens)")
+    slopes = rows[:, :, 1].bfloat16()
+    keys = torch.arange(total, device=alibi.device)[None, None, :]
+    return ((slopes[..., None] * keys).to(alibi.dtype) / math.sqrt(module.head_dim))[:, :, None, :]
+
+
 def _falcon(module: nn.Module) -> None:
     rotary = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    # (transformers' eager path adds the ALiBi bias twice, in its logits and in the mask it merged it
+    # into; its SDPA path once. The adapter is applied before the model's path is replaced by cp's.)
+    alibi_times = 1 if module.config._attn_implementation == "sdpa" else 2
 
     def forward(hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
                 output_attentions=False, position_embeddings=None, **kwargs):
@@ -75,8 +95,14 @@ def _falcon(module: nn.Module) -> None:
         kv_heads = module.num_heads if module.new_decoder_architecture else module.num_kv_heads
         query, key, value = (t.transpose(1, 2).reshape(batch, heads, length, module.head_dim)
                              for t, heads in ((query, module.num_heads), (key, kv_heads), (value, kv_heads)))
-        query, key = rotary(query, key, *position_embeddings)
-        out, _ = module._torchpp_cp_attention(module, query, key, value, attention_mask, position_ids=position_ids)
+        if alibi is None:
+            query, key = rotary(query, key, *position_embeddings)
+            out, _ = module._torchpp_cp_attention(module, query, key, value, attention_mask, position_ids=position_ids)
+        else:  # (this rank's queries against every key, over gathered keys: relative_bias.attend)
+            total = length * module.torchpp_cp.size
+            bias = alibi_times * falcon_key_bias(alibi, module, batch, total).expand(-1, -1, length, -1)
+            out, _ = module._torchpp_cp_attention(module, query, key, value, attention_mask, position_ids=position_ids,
+                                                   position_bias=bias)
         return module.dense(out.reshape(batch, length, module.num_heads * module.head_dim)), None
     module.forward = forward
 
@@ -223,7 +249,6 @@ class Family:
     adapt: Callable[[nn.Module], None]
     counts_keys_by_index: bool = False  # an ALiBi bias gives the positions: no position ids read
     splits_packed_rows: bool = True  # its mask tells packed rows apart by position ids
-    alibi_in_mask: bool = False  # config.alibi puts an ALiBi bias into the mask, which cp does not build
     refuses: Optional[Callable[[object], str]] = None  # why a config of the family cannot be served ('' if it can)
 
 
@@ -241,7 +266,7 @@ FAMILIES: Dict[str, Family] = {
     "modeling_gpt_neo.GPTNeoSelfAttention": Family(_gpt_neo),
     "modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention": Family(_gpt_neox_japanese),
     "modeling_openai.Attention": Family(_openai_gpt, splits_packed_rows=False),
-    "modeling_falcon.FalconAttention": Family(_falcon, alibi_in_mask=True),
+    "modeling_falcon.FalconAttention": Family(_falcon),
     "modeling_bloom.BloomAttention": Family(_bloom, counts_keys_by_index=True),
     "modeling_mpt.MptAttention": Family(_mpt, counts_keys_by_index=True),
     # (BERT's masks are causal by index alone: they do not split packed rows)
@@ -272,8 +297,6 @@ def _dropout(dropout) -> float:
 
 def refusal(modules: List[Tuple[str, nn.Module]], config) -> str:
     """Why a model whose routed attention ``modules`` are these still cannot be served ('' when it can)."""
-    if getattr(config, "alibi", False) and any(_family(m).alibi_in_mask for _, m in modules):
-        return "uses ALiBi (config.alibi) built into its attention mask, which sharded attention does not build"
     for _, module in modules:
         refused = _family(module).refuses(config) if _family(module).refuses is not None else ""
         if refused:

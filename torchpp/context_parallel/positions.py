@@ -6,7 +6,9 @@ would start again at the shard's start; under cp they read what the whole sequen
 - RoBERTa's convention is applied to the full batch (every cp rank holds it) and the result
   sharded as the model's position ids, which its embeddings then take as they are;
 - a decoder's ``embed_positions`` is handed the rank's global positions in place of the local
-  count the decoder computes.
+  count the decoder computes;
+- a position table counting the tokens it is given (TrOCR's sinusoidal one) counts every rank's
+  tokens, gathered, and keeps this rank's part.
 
 Neither kind of model tells packed rows apart (its mask ignores position ids), so sharded attention
 does not split rows by them either: the loss is the unwrapped model's."""
@@ -18,6 +20,9 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
+
+from torchpp.context_parallel import unshard_sequence
+from torchpp.context_parallel.families import named_in
 
 PositionRule = Callable[[Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]
 
@@ -63,6 +68,30 @@ def length_counters(model: nn.Module) -> List[Tuple[str, nn.Module]]:
             and "position_ids" in inspect.signature(module.forward).parameters]
 
 
+# Position tables that count from the tokens they are called with (non-padding ones, from
+# padding_idx + 1) in their own code, taking no position ids: handed the whole sequence's tokens.
+TOKEN_COUNTERS = ("modeling_trocr.TrOCRSinusoidalPositionalEmbedding",)
+
+
+def token_counters(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    return [(name, module) for name, module in model.named_modules() if named_in(module, TOKEN_COUNTERS)]
+
+
+def _counting_over_the_sequence(cp, module: nn.Module) -> Callable:
+    """The module's own count (``create_position_ids_from_input_ids``) run on every rank's tokens in
+    order, this rank's part of it returned; its table grown first where the whole sequence needs
+    more rows than it holds (as the module grows it for a long input, which a shard is not)."""
+    own = module.create_position_ids_from_input_ids
+
+    def create(input_ids, padding_idx, cache_length=0):
+        every = unshard_sequence(input_ids, cp.group, dim=1, layout=cp.layout)
+        rows = padding_idx + 1 + every.size(1)
+        if module.weights is None or rows > module.weights.size(0):
+            module.weights = module.get_embedding(rows, module.embedding_dim, padding_idx)
+        return cp.shard(own(every, padding_idx, cache_length), dim=1)
+    return create
+
+
 def _tokens_rule(embeddings: nn.Module) -> PositionRule:
     # The class's own functions and the padding index: not the module, which stage 0 alone keeps.
     from_ids = embeddings.create_position_ids_from_input_ids
@@ -96,7 +125,7 @@ def decide_positions(model: nn.Module, where: str, positions: ModelPositions, al
         positions.rule = positions.rule or _tokens_rule(embeddings)
         positions.packed_rows = False
     # (ALiBi models, Bloom's and MPT's, count by index in their biases alike: positions.py's callers.)
-    counts_itself = bool(length_counters(model)) or alibi
+    counts_itself = bool(length_counters(model)) or bool(token_counters(model)) or alibi
     if counts_itself and "position_ids" not in inspect.signature(model.forward).parameters:
         positions.from_length = True
         positions.packed_rows = False
@@ -130,6 +159,8 @@ def apply_positions(model: nn.Module, cp) -> None:
         if not getattr(module, "_torchpp_global_positions", False):  # (the recompute pass applies cp again)
             module.register_forward_pre_hook(_global_positions(cp), with_kwargs=True)
             module._torchpp_global_positions = True
+    for _, module in token_counters(model):
+        module.create_position_ids_from_input_ids = _counting_over_the_sequence(cp, module)
 
 
 def check_given(positions: ModelPositions, position_ids: torch.Tensor) -> None:

@@ -307,25 +307,26 @@ def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
 def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, schedule: str = "zb-h1",
              n_microbatches: int = 2, packed: bool = False, mode: str = "ring", layout: str = "zigzag",
              seq_len: int = SEQ, recompute: Optional[str] = None, sequence_parallel: bool = False, zero: int = 0,
-             plan=None, **extra) -> str:
+             plan=None, config: Optional[dict] = None, **extra) -> str:
     """cp (x tp x pp x dp) ranks, each cp group given its data-parallel replica's rows of the
     batch: the context-parallel model's loss (and, at pp=1, its logits, gathered over cp) equal
     the unwrapped model's on those rows, and after one SGD step through DistributedOptimizer
     (gradients summed over cp, averaged over dp) so do its gradients and values (the unwrapped
     model's from the mean of the replicas' losses). ``plan``: parallelize's; ``ep``: experts split
-    over ep of the dp x cp ranks."""
+    over ep of the dp x cp ranks; ``config``: the tiny model's config values whose names this
+    function takes itself (xLSTM's ``mode``), besides ``extra``'s."""
     with precision(extra.get("dtype", torch.float64)):
         return _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len,
-                         recompute, sequence_parallel, zero, plan, **extra)
+                         recompute, sequence_parallel, zero, plan, config or {}, **extra)
 
 
 def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
-              sequence_parallel, zero, plan, **extra) -> str:
+              sequence_parallel, zero, plan, config, **extra) -> str:
     from torchpp.context_parallel import unshard_sequence
     from torchpp.parallel import DistributedOptimizer
 
     state = torchpp.init_parallel(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep)
-    model = tiny_model(model_type, **extra)
+    model = tiny_model(model_type, **extra, **config)
     if model_type in RANDOM_IN_TRAINING:  # a microbatch would draw other numbers than the whole batch
         model.eval()
     reference = copy.deepcopy(model).to(state.device)
