@@ -124,6 +124,14 @@ void fused_block_backward(BlockKernel kernel, const at::Tensor& q, const at::Ten
 // Rows of `lse` that saw no key read as 0, so exp(s - lse) is 0 there instead of NaN.
 at::Tensor finite_lse(const at::Tensor& lse);
 
+// Sinks [hq] (context_parallel_sinks.cpp): checked against the query [b, hq, ...]; folded into a
+// finished output [b, hq, s, d] and log-sum-exp [b, hq, s] (each row's denominator gains exp(sink));
+// their gradient from the output's, given the folded output and log-sum-exp.
+void check_sinks(const at::Tensor& q, const at::Tensor& sinks, const char* op_name);
+std::pair<at::Tensor, at::Tensor> fold_sinks(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks);
+at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                      const at::Tensor& sinks);
+
 // A send to `dst` and a receive from `src`, posted together (one NCCL group where the backend
 // coalesces, so a ring of sends cannot deadlock) and awaited by wait().
 class Exchange {

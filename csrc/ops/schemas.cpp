@@ -30,7 +30,7 @@ TORCH_LIBRARY_FRAGMENT(torchpp, m) {
   m.def("pp_gather_slices(Tensor slice, int[] shape, str tp_group_name, int tp_size) -> Tensor");
 }
 
-// ---- Context parallel: attention over a sequence sharded across a group (ring / all-gather) ----
+// ---- Context parallel: attention over a sequence sharded across a group (ring / all-gather / all-to-all) ----
 TORCH_LIBRARY_FRAGMENT(torchpp, m) {
   // Attention of this rank's query shard [b, hq, s_local, d] to the whole sequence, whose key/value
   // shards [b, hk, s_local, d] (hq a multiple of hk) travel around the ring; layout "zigzag" (rank r
@@ -46,7 +46,12 @@ TORCH_LIBRARY_FRAGMENT(torchpp, m) {
   m.def("all_gather_attention(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
         "int group_size, bool causal=True, float? scale=None, str layout=\"zigzag\", int window=0, "
         "Tensor? sinks=None, float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
-  // Their halves (without sinks): the output and log-sum-exp [b, hq, s_local] (float for 16-bit inputs) ...
+  // The same with heads traded for the sequence by all-to-all (DeepSpeed-Ulysses): each rank attends with
+  // hq / c heads over the whole sequence; c must divide hq (key/value heads it does not divide are repeated).
+  m.def("all_to_all_attention(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
+        "int group_size, bool causal=True, float? scale=None, str layout=\"zigzag\", int window=0, "
+        "Tensor? sinks=None, float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
+  // Ring's and all-gather's halves (without sinks): the output and log-sum-exp [b, hq, s_local] (float for 16-bit inputs) ...
   m.def("ring_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
         "int group_size, bool causal, float? scale, str layout, int window=0, float softcap=0., "
         "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");

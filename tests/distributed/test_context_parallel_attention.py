@@ -1,6 +1,7 @@
-"""Context-parallel attention (torch.ops.torchpp.ring_attention / all_gather_attention) on spawned
-gloo ranks: each rank's output and its q, k, v gradients equal its shard of full-sequence SDPA
-(fp64, 1e-10), at cp=2 and cp=4, causal and full, both modes, both layouts, grouped-query
+"""Context-parallel attention (torch.ops.torchpp.ring_attention / all_gather_attention /
+all_to_all_attention) on spawned gloo ranks: each rank's output and its q, k, v gradients equal its
+shard of full-sequence SDPA (fp64, 1e-10), at cp=2 and cp=4, causal and full, the three modes (the
+all-to-all's key/value heads repeated where c does not divide them: 2 and 1 heads at cp=4), both layouts, grouped-query
 attention and packed sequences, sliding windows, attention sinks and capped scores (against the
 softmax written out, the sinks' gradient summed over the ranks); bad lengths, layouts and modes
 raise naming the values. Blocks run on the CPU flash kernel (which returns the log-sum-exp) except
@@ -18,6 +19,7 @@ from torchpp.context_parallel import attention, sequence_positions, shard_sequen
 
 TOL = 1e-10
 BATCH, HEADS, HEAD_DIM = 2, 4, 8
+MODES = ("ring", "all-gather", "all-to-all")
 
 
 def _inputs(seq_len: int, kv_heads: int, value_dim: int = HEAD_DIM):
@@ -126,13 +128,13 @@ def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.de
 
 
 def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
-    for mode, layout, causal in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"), (True, False)):
+    for mode, layout, causal in itertools.product(MODES, ("zigzag", "contiguous"), (True, False)):
         _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False, device=device,
                     dtype=dtype)
-    for mode in ("ring", "all-gather"):  # as many key/value heads as queries: cuDNN's blocks where SDPA picks it
+    for mode in MODES:  # as many key/value heads as queries: cuDNN's blocks where SDPA picks it
         _check_case(seq_len, kv_heads=HEADS, mode=mode, layout="zigzag", causal=True, packed=False, device=device,
                     dtype=dtype)
-    for mode, causal in itertools.product(("ring", "all-gather"), (True, False)):  # MQA, packed
+    for mode, causal in itertools.product(MODES, (True, False)):  # MQA, packed
         _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=causal, packed=True, device=device,
                     dtype=dtype)
     _check_case(seq_len, kv_heads=HEADS, mode="ring", layout="contiguous", causal=True, packed=True, device=device,
@@ -140,32 +142,33 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
     # Sliding windows narrower than a chunk (cut through the diagonal blocks), about two chunks wide
     # (blocks wholly behind them skipped), on packed rows too; attention sinks with and without them.
     chunk = seq_len // (2 * dist.get_world_size())
-    for mode, layout, window, sinks in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"),
+    for mode, layout, window, sinks in itertools.product(MODES, ("zigzag", "contiguous"),
                                                          (max(chunk - 1, 1), 2 * chunk + 1), (False, True)):
         _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=True, packed=False, device=device,
                     dtype=dtype, window=window, sinks=sinks)
-    for mode in ("ring", "all-gather"):
+    for mode in MODES:
         _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
                     dtype=dtype, window=chunk + 1, sinks=True)
         _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=False, packed=False, device=device,
                     dtype=dtype, sinks=True)
     # Capped scores (a cap of 1 bends these scores, about N(0, 1), markedly): causal and full, with a
     # window and sinks, on packed rows.
-    for mode, layout, causal in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"), (True, False)):
+    for mode, layout, causal in itertools.product(MODES, ("zigzag", "contiguous"), (True, False)):
         _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False, device=device,
                     dtype=dtype, softcap=1.0)
-    for mode in ("ring", "all-gather"):
+    for mode in MODES:
         _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
                     dtype=dtype, window=chunk + 1, sinks=True, softcap=1.0)
     # ALiBi (Bloom, MPT): causal and full, grouped and multi-query heads, on packed rows and with a window.
-    for mode, layout, causal in itertools.product(("ring", "all-gather"), ("zigzag", "contiguous"), (True, False)):
+    for mode, layout, causal in itertools.product(MODES, ("zigzag", "contiguous"), (True, False)):
         _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=causal, packed=False, device=device,
                     dtype=dtype, alibi=True)
-    for mode in ("ring", "all-gather"):
+    for mode in MODES:
         _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
                     dtype=dtype, window=chunk + 1, alibi=True)
     # Values narrower (with a window and sinks) and wider (packed rows) than the keys, as MLA's.
-    for mode, value_dim in (("ring", HEAD_DIM - 3), ("all-gather", HEAD_DIM + 4)):
+    for mode, value_dim in (("ring", HEAD_DIM - 3), ("all-gather", HEAD_DIM + 4), ("all-to-all", HEAD_DIM - 3),
+                            ("all-to-all", HEAD_DIM + 4)):
         _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=True, packed=value_dim > HEAD_DIM,
                     device=device, dtype=dtype, window=chunk + 1 if value_dim < HEAD_DIM else None,
                     sinks=value_dim < HEAD_DIM, value_dim=value_dim)
@@ -182,9 +185,11 @@ def check_errors():
     with pytest.raises(ValueError, match="length 6 is not divisible by 4"):
         sequence_positions(6, group)
     q = torch.zeros(1, 2, 3, 4, dtype=torch.float64)  # an odd zigzag shard
-    for mode in ("ring", "all-gather"):
+    for mode in MODES:
         with pytest.raises(RuntimeError, match=r"2c = 4 chunks.* has 3 tokens \(a sequence of 6 tokens"):
             attention(q, q, q, group, mode=mode)
+    with pytest.raises(RuntimeError, match=r"all_to_all_attention: .* 3 query heads do not divide over 2 ranks"):
+        attention(torch.zeros(1, 3, 4, 4), torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 4), group, mode="all-to-all")
     with pytest.raises(RuntimeError, match="query heads 3 must be a multiple of key/value heads 2"):
         attention(torch.zeros(1, 3, 4, 4), torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), group)
     with pytest.raises(RuntimeError, match=r"segment_ids must be \[batch, s_local\] = \[1, 4\]"):
@@ -203,7 +208,7 @@ def check_errors():
         attention(q4, q4, q4, group, softcap=float("inf"))
     with pytest.raises(RuntimeError, match=r"a sliding window \(window=3\) applies to causal attention"):
         attention(q4, q4, q4, group, causal=False, window=3)
-    for mode in ("ring", "all-gather"):
+    for mode in MODES:
         with pytest.raises(RuntimeError, match=r"sinks must hold one logit per query head, \[2\], got \[3\]"):
             attention(q4, q4, q4, group, mode=mode, sinks=torch.zeros(3))
     return True
@@ -238,16 +243,17 @@ BLOCK_KERNELS = {"flash_cpu": "aten::_scaled_dot_product_flash_attention_for_cpu
 
 
 def _kernels_used(packed: bool, kernel: str = "flash_cpu", device=torch.device("cpu"),
-                  dtype=torch.float64, kv_heads: int = 2, softcap=None, alibi: bool = False) -> dict:
-    """Profiler counts of a block kernel's forward and backward in one forward + backward of ring
-    attention."""
+                  dtype=torch.float64, kv_heads: int = 2, softcap=None, alibi: bool = False, mode: str = "ring") -> dict:
+    """Profiler counts of a block kernel's forward and backward in one forward + backward of
+    attention (ring by default)."""
     group = dist.group.WORLD
     q, k, v, grad = (t.to(device, dtype) for t in _inputs(8 * group.size(), kv_heads=kv_heads))
     segments = shard_sequence(_segments(q.size(2)), group, dim=1).to(device) if packed else None
     ql, kl, vl = (shard_sequence(t, group, dim=2).requires_grad_() for t in (q, k, v))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         slopes = torch.full((HEADS,), 0.25, device=device, dtype=dtype) if alibi else None
-        out = attention(ql, kl, vl, group, causal=True, segment_ids=segments, softcap=softcap, alibi_slopes=slopes)
+        out = attention(ql, kl, vl, group, causal=True, segment_ids=segments, softcap=softcap, alibi_slopes=slopes,
+                        mode=mode)
         out.backward(shard_sequence(grad, group, dim=2))
     names = [event.name for event in prof.events()]
     return {kind: sum(name == f"{BLOCK_KERNELS[kernel]}{kind}" for name in names) for kind in ("", "_backward")}
@@ -259,6 +265,10 @@ def check_block_kernels():
     assert sum(_kernels_used(packed=True).values()) == 0, "packed blocks need their mask: matmul path"
     assert sum(_kernels_used(packed=False, softcap=2.0).values()) == 0, "capped scores take the matmul path"
     assert sum(_kernels_used(packed=False, alibi=True).values()) == 0, "ALiBi's biased scores take the matmul path"
+    # All-to-all: this rank's heads over the whole sequence in one fused call each way.
+    whole = _kernels_used(packed=False, mode="all-to-all")
+    assert whole == {"": 1, "_backward": 1}, f"all-to-all attention did not run one flash call each way: {whole}"
+    assert sum(_kernels_used(packed=True, mode="all-to-all").values()) == 0, "packed chunks need their mask"
     os.environ["TORCHPP_CP_KERNEL"] = "matmul"
     try:
         forced = _kernels_used(packed=False)

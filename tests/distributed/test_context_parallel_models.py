@@ -43,6 +43,10 @@ def check_cp2_cases():
     done["llama packed"] = check_cp("llama", packed=True)
     done["qwen2 packed all-gather"] = check_cp("qwen2", packed=True, mode="all-gather")
     done["llama selective recompute"] = check_cp("llama", recompute="selective")
+    # All-to-all (Ulysses): each rank attends with half the heads over the whole sequence.
+    done["llama packed all-to-all"] = check_cp("llama", packed=True, mode="all-to-all")
+    done["qwen2 contiguous all-to-all selective recompute"] = check_cp("qwen2", layout="contiguous", mode="all-to-all",
+                                                                       recompute="selective")
     return done
 
 
@@ -99,7 +103,7 @@ def check_errors():
 
 def test_cp2_llama_qwen2_modes_layouts_packed(ranks):
     results = ranks(2).run(check_cp2_cases, timeout=TIMEOUT_S)
-    assert all(len(r) == 6 for r in results), results
+    assert all(len(r) == 8 for r in results), results
 
 
 def test_cp2_more_families_packed(ranks):
@@ -107,11 +111,41 @@ def test_cp2_more_families_packed(ranks):
     assert all(set(r) == set(FAMILIES) for r in results), results
 
 
+def check_masks_blind_to_packing():
+    """Models whose forwards hand their mask functions no position ids (GPT-OSS, OPT, AfMoE): their
+    masks do not split packed rows (transformers splits them by the position ids it is given), so
+    neither does sharded attention; splitting them fails these cases."""
+    return {"gpt_oss packed window all-to-all": check_cp("gpt_oss", sliding_window=3, packed=True, mode="all-to-all"),
+            "opt packed": check_cp("opt", packed=True, plan="auto"), "afmoe packed": check_cp("afmoe", packed=True)}
+
+
+def test_cp2_models_whose_masks_do_not_split_packed_rows(ranks):
+    results = ranks(2).run(check_masks_blind_to_packing, timeout=TIMEOUT_S)
+    assert all(len(r) == 3 for r in results), results
+
+
+def check_all_to_all_at(dims: str):
+    if dims == "cp4":  # one of the 4 heads per rank; Mistral's 2 key/value heads repeated
+        return [check_cp("llama", cp=4, packed=True, mode="all-to-all"),
+                check_cp("mistral", cp=4, sliding_window=5, mode="all-to-all", layout="contiguous")]
+    if dims == "cp2xtp2":  # a tp rank's 2 heads over the cp ranks
+        return [check_cp("llama", tp=2, mode="all-to-all")]
+    return [check_cp("mistral", pp=2, mode="all-to-all", packed=True)]
+
+
+@pytest.mark.parametrize("dims", ["cp4", "cp2xtp2", "cp2xpp2"])
+def test_all_to_all_at_cp4_and_with_tp_pp(ranks, dims):
+    results = ranks(4).run(check_all_to_all_at, dims, timeout=TIMEOUT_S)
+    assert len(results) == 4 and all("grads on this rank" in r for done in results for r in done), results
+
+
 def check_without_backend_flag():
     """Models that do not declare attention backends (_supports_attention_backend False) but run
     attention through transformers' functions and take position ids: StableLM (partial rotary),
-    BioGPT (learned positions, scaled embeddings)."""
-    return {"stablelm packed": check_cp("stablelm", packed=True, plan="auto"), "biogpt": check_cp("biogpt", plan="auto")}
+    BioGPT (learned positions, scaled embeddings; its masks get no position ids, so packed rows are
+    not split)."""
+    return {"stablelm packed": check_cp("stablelm", packed=True, plan="auto"),
+            "biogpt packed": check_cp("biogpt", plan="auto", packed=True)}
 
 
 def test_cp2_models_without_the_attention_backend_flag(ranks):
@@ -289,13 +323,15 @@ def check_masks():
                                                         mode="all-gather"),
             # A cap low enough to bend these small scores: ignoring it fails the comparison.
             "gemma2 capped packed": check_cp("gemma2", attn_logit_softcapping=SOFTCAP, sliding_window=3, packed=True),
+            "gemma2 capped all-to-all": check_cp("gemma2", attn_logit_softcapping=SOFTCAP, sliding_window=3,
+                                                 mode="all-to-all"),
             "vaultgemma capped all-gather": check_cp("vaultgemma", attn_logit_softcapping=SOFTCAP, sliding_window=5,
                                                      mode="all-gather", layout="contiguous")}
 
 
 def test_cp2_windows_sinks_and_chunks(ranks):
     results = ranks(2).run(check_masks, timeout=TIMEOUT_S)
-    assert all(len(r) == 10 for r in results), results
+    assert all(len(r) == 11 for r in results), results
 
 
 CONV_LAYERS = ["conv", "full_attention", "conv", "full_attention"]

@@ -4,8 +4,10 @@ Each of c ranks holds a shard of every sequence. With the "zigzag" layout the se
 into 2c chunks and rank r holds chunks r and 2c-1-r, so causal attention costs every rank the
 same; "contiguous" gives rank r the r-th of c chunks. ``attention`` runs on this rank's shard:
 ``mode="ring"`` passes key/value shards around the ring (the next transfer overlapping the
-current block's compute), ``mode="all-gather"`` gathers them once. Block results merge by
-log-sum-exp; the backward passes key/value gradients around the ring (or reduce-scatters them).
+current block's compute), ``mode="all-gather"`` gathers them once, ``mode="all-to-all"`` trades
+heads for the sequence (DeepSpeed-Ulysses: each rank attends with 1/c of the heads over the whole
+sequence). Block results merge by log-sum-exp; the backward passes key/value gradients around the
+ring (or reduce-scatters them, or trades them back).
 
 | function            | what                                                        |
 |---------------------|-------------------------------------------------------------|
@@ -31,7 +33,7 @@ import torchpp  # noqa: F401  (registers torch.ops.torchpp)
 from torchpp.ops import GroupLike, gather_from_sp_region, gather_from_tp_region, group_of
 
 LAYOUTS = ("zigzag", "contiguous")
-MODES = ("ring", "all-gather")
+MODES = ("ring", "all-gather", "all-to-all")
 
 __all__ = ["LAYOUTS", "MODES", "attention", "chunk_indices", "sequence_positions", "shard_sequence",
            "unshard_sequence"]
@@ -162,8 +164,11 @@ def attention(
         group: the context-parallel group (ProcessGroup, name, or None for the world).
         causal: each token sees the tokens at or before its global position.
         scale: score scale; default 1/sqrt(d).
-        mode: "ring" (key/value shards passed around the ring, transfers overlapping compute) or
-            "all-gather" (gathered once; simpler, c times the key/value memory).
+        mode: "ring" (key/value shards passed around the ring, transfers overlapping compute),
+            "all-gather" (gathered once; simpler, c times the key/value memory) or "all-to-all"
+            (DeepSpeed-Ulysses: heads traded for the sequence, each rank attending with heads / c
+            heads over the whole sequence; the group size must divide the heads, key/value heads
+            it does not divide are repeated; a rank's traffic does not grow with c).
         layout: how the sequence was sharded: "zigzag" or "contiguous".
         segment_ids: [b, s_local] integer ids of this rank's tokens; tokens attend only to tokens
             of the same id (packed sequences). None: one sequence per row.
@@ -187,6 +192,8 @@ def attention(
         op = torch.ops.torchpp.ring_attention
     elif mode == "all-gather":
         op = torch.ops.torchpp.all_gather_attention
+    elif mode == "all-to-all":
+        op = torch.ops.torchpp.all_to_all_attention
     else:
         raise ValueError(f"torchpp.context_parallel.attention: mode must be one of {MODES}, got {mode!r}")
     if window is not None and window <= 0:

@@ -34,6 +34,7 @@ from torchpp.context_parallel import compressed, dynamic_mask, indexed, relative
 from torchpp.context_parallel.halo import apply_halos
 from torchpp.context_parallel.lightning import apply_lightning
 from torchpp.context_parallel.mamba import apply_mamba2
+from torchpp.context_parallel.mask_calls import masks_split_rows, watch_mask_calls
 from torchpp.context_parallel.own_attention import apply_own_attention
 from torchpp.context_parallel.positions import ModelPositions, apply_positions, check_given
 from torchpp.context_parallel.rg_lru import apply_rg_lru
@@ -139,7 +140,7 @@ def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], loca
     """Packed sequences' ids (each token's sequence start: its global index minus its position),
     or None when each row holds one sequence or the model does not split rows by position ids.
     Collective over the cp group, once per position ids tensor (every layer of a forward gets the same one)."""
-    if position_ids is None or not cp.model_positions.packed_rows:
+    if position_ids is None or not cp.model_positions.packed_rows or not masks_split_rows():
         return None
     decided = _SEGMENTS_DECIDED.get(id(cp))
     if decided is not None and decided[0]() is position_ids and decided[1] == position_ids._version:
@@ -258,6 +259,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel, recompute_core
     if layers is not None:
         cp.calls.watch(model.get_submodule(layers), layers)
     apply_positions(model, cp)
+    watch_mask_calls(model)
     indexed.apply_indexed_attention(model, cp)
     compressed.apply_compressed_attention(model, cp)
     relative_bias.apply_relative_biases(model, cp)
