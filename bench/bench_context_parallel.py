@@ -9,15 +9,15 @@
 memory  bytes autograd keeps for backward per rank (torchpp.plan.SavedActivationMeter: CPU has no
         allocator statistics) for sequence lengths 1k-4k at cp = 1, 2, 4 (cp=1: the unwrapped
         model on one rank), and their ratio to cp=1: it should fall as ~1/c.
-time    one forward + backward at a long sequence, cp = world size: ring vs all-gather
-        attention, and the unwrapped model on one rank (the peer: plain transformers). Then the
+time    one forward + backward at a long sequence, cp = world size: ring vs all-gather vs
+        all-to-all attention, and the unwrapped model on one rank (the peer: plain transformers). Then the
         share of the ring's key/value transfers hidden behind the attention blocks, from a
         torch.profiler trace of the ring op's own spans (torchpp::ring_attention::wait is
         the exposed transfer) against the same exchange timed alone (no compute beside it).
         The trace is written to runs/bench_cp/ (Chrome trace JSON).
 peak    the attention op alone (torchpp.context_parallel.attention), one forward + backward at
         cp = 2 and cp = world: the most bytes live at once beyond its inputs, per rank (the
-        largest rank), ring vs all-gather, against SDPA on the whole sequence in one process
+        largest rank), ring vs all-gather vs all-to-all, against SDPA on the whole sequence in one process
         (the peer), in MB and in units of one rank's key/value shard; from torch.profiler's
         memory timeline (CPU allocations: every tensor the ops make, transfer buffers included).
 sparse  DeepSeek-V3.2 (sparse indexed attention: an indexer keeps each query's top k keys) and
@@ -98,6 +98,7 @@ def time_part(args, world: int) -> None:
     ids, labels = batch(args.long_seq)
     variants = {"ring": parallelize(make_model(args), state=state, cp_mode="ring"),
                 "all-gather": parallelize(make_model(args), state=state, cp_mode="all-gather"),
+                "all-to-all": parallelize(make_model(args), state=state, cp_mode="all-to-all"),
                 "unwrapped": make_model(args)}
 
     def step(name):
@@ -116,7 +117,9 @@ def time_part(args, world: int) -> None:
             where = "1 rank, full sequence" if name == "unwrapped" else f"cp={world}"
             print(f"  {name:10s} {med[name] * 1e3:9.1f} ms  spread {spread[name]:.2f}  ({where})")
         print(f"  ring / all-gather: {med['ring'] / med['all-gather']:.3f}   "
-              f"ring / unwrapped: {med['ring'] / med['unwrapped']:.3f}")
+              f"all-to-all / ring: {med['all-to-all'] / med['ring']:.3f}   "
+              f"ring / unwrapped: {med['ring'] / med['unwrapped']:.3f}   "
+              f"all-to-all / unwrapped: {med['all-to-all'] / med['unwrapped']:.3f}")
     hidden_share(args, variants["ring"], ids, labels, world)
 
 
@@ -162,7 +165,7 @@ def peak_part(args, world: int) -> None:
     dist.barrier()
     for cp in sorted({2, world}):
         group = dist.new_group(list(range(cp)))
-        rows[cp] = {mode: attention_peak(args, mode, group, cp) for mode in ("ring", "all-gather")}
+        rows[cp] = {mode: attention_peak(args, mode, group, cp) for mode in ("ring", "all-gather", "all-to-all")}
     everyone = all_gather_objects(rows)
     if rank != 0:
         return

@@ -12,6 +12,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/flat_hash_map.h>
 #include <c10/util/intrusive_ptr.h>
 #include <c10/util/string_view.h>
 
@@ -131,6 +133,13 @@ void check_sinks(const at::Tensor& q, const at::Tensor& sinks, const char* op_na
 std::pair<at::Tensor, at::Tensor> fold_sinks(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks);
 at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& sinks);
+
+// The options of an attention call, kept in an autograd context's saved_data for its backward,
+// and the scale read back.
+using SavedData = ska::flat_hash_map<std::string, at::IValue>;
+void save_options(SavedData& saved, c10::string_view group_name, int64_t group_size, bool causal,
+                  std::optional<double> scale, c10::string_view layout, int64_t window, double softcap);
+std::optional<double> saved_scale(const SavedData& saved);
 
 // A send to `dst` and a receive from `src`, posted together (one NCCL group where the backend
 // coalesces, so a ring of sends cannot deadlock) and awaited by wait().

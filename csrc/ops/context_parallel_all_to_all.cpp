@@ -171,6 +171,19 @@ Exchanged exchange_inputs(const Call& call, const at::Tensor& q, const at::Tenso
   return x;
 }
 
+// The call checked, its inputs exchanged and its blocks cut: what the attention then runs on.
+std::pair<Call, Exchanged> prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const std::optional<at::Tensor>& segment_ids, c10::string_view group_name,
+                                   int64_t group_size, bool causal, std::optional<double> scale,
+                                   c10::string_view layout, int64_t window, const std::optional<at::Tensor>& sinks,
+                                   double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  Call call = make_call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, softcap,
+                        alibi_slopes);
+  Exchanged x = exchange_inputs(call, q, k, v, segment_ids, sinks, alibi_slopes);
+  x.shapes = local_shapes(x, scale, causal, window, softcap, call.chunk_len);
+  return {std::move(call), std::move(x)};
+}
+
 // The block of query chunk i against key chunk j, by position in the whole sequence.
 BlockMask chunk_mask(const Exchanged& x, int64_t i, int64_t j, bool causal) {
   const int64_t n = x.shapes.piece_len;
@@ -247,19 +260,11 @@ struct AllToAllAttention : public torch::autograd::Function<AllToAllAttention> {
                             int64_t window, const std::optional<at::Tensor>& sinks, double softcap,
                             const std::optional<at::Tensor>& alibi_slopes) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    const Call call = make_call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, softcap,
-                                alibi_slopes);
-    Exchanged x = exchange_inputs(call, q, k, v, segment_ids, sinks, alibi_slopes);
-    x.shapes = local_shapes(x, scale, causal, window, softcap, call.chunk_len);
+    const auto [call, x] = prepare(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, sinks,
+                                   softcap, alibi_slopes);
     auto [out, lse] = attend(x, causal);
     ctx->save_for_backward({x.q, x.k, x.v, out, lse, x.segments, x.sinks, x.alibi});
-    ctx->saved_data["group_name"] = std::string(group_name);
-    ctx->saved_data["group_size"] = group_size;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-    ctx->saved_data["layout"] = std::string(layout);
-    ctx->saved_data["window"] = window;
-    ctx->saved_data["softcap"] = softcap;
+    save_options(ctx->saved_data, group_name, group_size, causal, scale, layout, window, softcap);
     ctx->saved_data["q_heads"] = call.q_heads;
     ctx->saved_data["first_head"] = call.first_head;
     ctx->saved_data["kv_repeats"] = call.kv_repeats;
@@ -272,9 +277,7 @@ struct AllToAllAttention : public torch::autograd::Function<AllToAllAttention> {
     const auto& data = ctx->saved_data;
     const auto layout = parse_layout(data.at("layout").toStringRef(), kOp);
     const bool causal = data.at("causal").toBool();
-    const auto& scale_value = data.at("scale");
-    const std::optional<double> scale =
-        scale_value.isNone() ? std::nullopt : std::optional<double>(scale_value.toDouble());
+    const std::optional<double> scale = saved_scale(data);
     Exchanged x{saved[0], saved[1], saved[2], saved[5], saved[6], saved[7], Shapes{}};
     x.shapes = local_shapes(x, scale, causal, data.at("window").toInt(), data.at("softcap").toDouble(),
                             data.at("chunk_len").toInt());
@@ -319,10 +322,8 @@ at::Tensor all_to_all_attention_no_grad(const at::Tensor& q, const at::Tensor& k
                                         c10::string_view layout, int64_t window,
                                         const std::optional<at::Tensor>& sinks, double softcap,
                                         const std::optional<at::Tensor>& alibi_slopes) {
-  const Call call = make_call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, softcap,
-                              alibi_slopes);
-  Exchanged x = exchange_inputs(call, q, k, v, segment_ids, sinks, alibi_slopes);
-  x.shapes = local_shapes(x, scale, causal, window, softcap, call.chunk_len);
+  const auto [call, x] = prepare(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, sinks,
+                                 softcap, alibi_slopes);
   return sequence_to_heads(*call.group, attend(x, causal).first, call.layout);
 }
 

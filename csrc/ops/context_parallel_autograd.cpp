@@ -69,13 +69,7 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
     }
     ctx->save_for_backward({q, k, v, out, lse, segment_ids.value_or(at::Tensor()), sinks.value_or(at::Tensor()),
                             alibi_slopes.value_or(at::Tensor())});
-    ctx->saved_data["group_name"] = std::string(group_name);
-    ctx->saved_data["group_size"] = group_size;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
-    ctx->saved_data["layout"] = std::string(layout);
-    ctx->saved_data["window"] = window;
-    ctx->saved_data["softcap"] = softcap;
+    save_options(ctx->saved_data, group_name, group_size, causal, scale, layout, window, softcap);
     return out;
   }
 
@@ -83,8 +77,7 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
     auto saved = ctx->get_saved_variables();
     const auto group_name = ctx->saved_data["group_name"].toStringRef();
     const auto layout = ctx->saved_data["layout"].toStringRef();
-    const auto& scale_value = ctx->saved_data["scale"];
-    std::optional<double> scale = scale_value.isNone() ? std::nullopt : std::optional<double>(scale_value.toDouble());
+    const std::optional<double> scale = saved_scale(ctx->saved_data);
     std::optional<at::Tensor> segment_ids = saved[5].defined() ? std::optional<at::Tensor>(saved[5]) : std::nullopt;
     std::optional<at::Tensor> alibi_slopes = saved[7].defined() ? std::optional<at::Tensor>(saved[7]) : std::nullopt;
     // Every rank of the group must take part in the exchange, even one whose output got no gradient.

@@ -1,5 +1,6 @@
-// Attention sinks (GPT-OSS's): one learned logit per query head in each softmax's denominator,
-// attending to nothing, folded into a finished (out, log-sum-exp) and differentiated from them.
+// What the attention ops' autograd shares: attention sinks (GPT-OSS's: one learned logit per query
+// head in each softmax's denominator, attending to nothing) folded into a finished (out,
+// log-sum-exp) and differentiated from them; the call's options kept for the backward.
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -33,6 +34,22 @@ at::Tensor sinks_grad(const at::Tensor& grad_out, const at::Tensor& out, const a
   auto delta = (grad_out.to(acc) * out.to(acc)).sum(-1);  // [b, hq, s]
   auto p_sink = at::exp(sinks.to(acc).view({1, -1, 1}) - lse);
   return (p_sink * delta).sum(at::IntArrayRef{0, 2}).neg_().to(sinks.scalar_type());
+}
+
+void save_options(SavedData& saved, c10::string_view group_name, int64_t group_size, bool causal,
+                  std::optional<double> scale, c10::string_view layout, int64_t window, double softcap) {
+  saved["group_name"] = std::string(group_name);
+  saved["group_size"] = group_size;
+  saved["causal"] = causal;
+  saved["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+  saved["layout"] = std::string(layout);
+  saved["window"] = window;
+  saved["softcap"] = softcap;
+}
+
+std::optional<double> saved_scale(const SavedData& saved) {
+  const auto& value = saved.at("scale");
+  return value.isNone() ? std::nullopt : std::optional<double>(value.toDouble());
 }
 
 }  // namespace torchpp::cp
