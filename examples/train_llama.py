@@ -50,6 +50,9 @@ def parse_args():
     layout.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     layout.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (dp = world / (tp*pp*cp))")
     layout.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks")
+    layout.add_argument("--cp-mode", choices=("ring", "all-gather", "all-to-all"), default="ring",
+                        help="how attention reaches the other cp ranks' keys: passed around a ring, all-gathered, or "
+                             "heads traded for the sequence (all-to-all, DeepSpeed-Ulysses: cp must divide the heads)")
     layout.add_argument("--schedule", default="zb-h1", help="any torchpp.schedule name")
     layout.add_argument("--microbatches", type=int, default=4)
     layout.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3),
@@ -192,7 +195,8 @@ def main():
     flops_per_token = training_flops_per_token(hf_model, args.seq)
     scaler = GradScaler(state.device.type, enabled=args.fp16)  # one skip decision for all ranks; off unless --fp16
     model = parallelize(hf_model, schedule=args.schedule, n_microbatches=args.microbatches,
-                        recompute=args.recompute, state=state, grad_scaler=scaler, zero=args.zero)
+                        recompute=args.recompute, state=state, grad_scaler=scaler, zero=args.zero,
+                        cp_mode=args.cp_mode)
     del hf_model
     if args.init_from:
         load_hf_weights(model, args.init_from)

@@ -257,12 +257,13 @@ def test_llama_demo_post_validated_trains_as_the_synchronous_run(tmp_path, fp16_
 
 
 def test_llama_demo_with_context_parallelism_trains_as_without(tmp_path):
-    """--cp 2: every sequence split over two ranks (pp=2 x cp=2 on 4 ranks) prints the losses of
-    the same run at cp=1 (pp=2 on 2 ranks), to the printed digits (fp32 sums in another order may
-    round the last one the other way)."""
+    """--cp 2: every sequence split over two ranks (pp=2 x cp=2 on 4 ranks; all-to-all attention,
+    the ring being the default every other cp test runs) prints the losses of the same run at cp=1
+    (pp=2 on 2 ranks), to the printed digits (fp32 sums in another order may round the last one
+    the other way)."""
     demo = os.path.join(ROOT, "examples", "train_llama.py")
-    split = run([demo, "--tp", "1", "--pp", "2", "--cp", "2", "--steps", "3", "--out", str(tmp_path / "cp")],
-                tmp_path, nproc=4)
+    split = run([demo, "--tp", "1", "--pp", "2", "--cp", "2", "--cp-mode", "all-to-all", "--steps", "3", "--out",
+                 str(tmp_path / "cp")], tmp_path, nproc=4)
     whole = run([demo, "--tp", "1", "--pp", "2", "--steps", "3", "--out", str(tmp_path / "whole")], tmp_path, nproc=2)
     assert "cp=2" in split and sorted(losses(split)) == [1, 2, 3], split[-2000:]
     assert sorted(losses(whole)) == [1, 2, 3], whole[-2000:]
