@@ -109,6 +109,25 @@ def test_long_sequences_get_context_parallelism():
     assert " cp " in format_plan(result)
 
 
+def test_slow_links_trade_heads_for_the_sequence():
+    """Where links are too slow for the ring's transfers to hide behind its blocks (10 GB/s in a
+    node), all-to-all cp (each rank attending with its heads over the whole sequence, exposed but
+    a 1/c share of four tensors) wins; on NVLink the ring hides and wins. All-to-all is only
+    offered where cp divides a tensor-parallel rank's heads."""
+    training = Training(16, 65536, micro_batches=(1,))
+    slow = Cluster(16, 80e9, intra_node_bandwidth=10e9, inter_node_bandwidth=1e9)
+    result = plan(PRESETS["llama2-7b"], slow, training)
+    best = result.best.layout
+    assert best.cp > 1 and best.cp_mode == "all-to-all", format_plan(result)
+    ring = evaluate(PRESETS["llama2-7b"], slow, training, dataclasses.replace(best, cp_mode="ring"))
+    assert ring.breakdown["cp_comm"] > 2 * result.best.breakdown["cp_comm"] > 0
+    assert f" {best.cp} a2a " in format_plan(result)
+    fast = plan(PRESETS["llama2-7b"], Cluster(16, 80e9), training).best.layout
+    assert fast.cp > 1 and fast.cp_mode == "ring"
+    heads = PRESETS["llama2-7b"].heads
+    assert all((heads // c.layout.tp) % c.layout.cp == 0 for c in result.ranked if c.layout.cp_mode == "all-to-all")
+
+
 def test_short_sequences_are_not_split():
     """Below MIN_CP_SHARD tokens per rank the ring's transfers have too little compute to hide behind."""
     result = plan(PRESETS["gpt-1.3b"], Cluster(16, 24e9), Training(128, 2048))

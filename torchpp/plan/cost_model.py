@@ -8,7 +8,8 @@ gathers) is added, not overlapped.
 Context parallelism (cp) gives each rank s/c tokens of every sequence: activations, compute and
 stage-boundary sends fall by c; each layer passes key/value shards around the cp ring (forward
 once, backward with their gradients twice), hidden behind the attention blocks' compute where
-that is longer; gradients reduce over dp x cp (Megatron's dp-cp group).
+that is longer, or (all-to-all) trades its q, k, v and output shards for its heads' whole
+sequence, exposed; gradients reduce over dp x cp (Megatron's dp-cp group).
 
 The pieces that need no simulation (``pass_costs``, ``dp_sync_seconds``, ``rank_memory``) are
 shared with the planner's bounds (torchpp.plan.search), so a bound and the evaluation it bounds
@@ -17,6 +18,7 @@ can never disagree on a cost.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from torchpp.plan.layout import Candidate, Cluster, Layout, Training
@@ -84,9 +86,25 @@ def _cp_ring_seconds(model: ModelConfig, cluster: Cluster, b: int, local: int, e
     return forward, backward
 
 
+def _cp_all_to_all_seconds(model: ModelConfig, cluster: Cluster, b: int, local: int, e: int, t: int,
+                           c: int) -> tuple[float, float]:
+    """Seconds per layer of all-to-all cp attention (forward, backward), none hidden: forward trades
+    q, k and v in and the output out, backward the output's gradient in and q's, k's and v's out;
+    each rank keeps 1/c of every tensor it sends (b * s/c * width / t elements); key/value heads c
+    does not divide travel repeated."""
+    if c == 1:
+        return 0.0, 0.0
+    local_kv_heads = max((model.kv_heads or model.heads) // t, 1)
+    repeats = c // math.gcd(local_kv_heads, c)
+    head_dim = model.hidden / model.heads
+    widths = 2 * model.hidden / t + 2 * local_kv_heads * repeats * head_dim  # q and out, k and v
+    seconds = (c - 1) / c * b * local * widths * e / _link(cluster, t * c)
+    return seconds, seconds
+
+
 @functools.lru_cache(maxsize=65536)
 def pass_costs(model: ModelConfig, cluster: Cluster, training: Training, t: int, p: int, d: int, b: int, v: int,
-               c: int, recompute: str) -> PassCosts:
+               c: int, recompute: str, cp_mode: str = "ring") -> PassCosts:
     """Per-stage F, I, W seconds of one microbatch (the last stage also runs the output layer)."""
     s, h, e = training.seq_len, model.hidden, training.element_bytes
     local = s // c  # tokens of each sequence on this rank
@@ -104,7 +122,10 @@ def pass_costs(model: ModelConfig, cluster: Cluster, training: Training, t: int,
     elif recompute == "selective":
         i_layer += 4 * b * local * s * h  # attention scores and attention over values, recomputed
     tp_allreduce = _allreduce_seconds(b * local * h * e, t, _link(cluster, t))
-    cp_forward, cp_backward = _cp_ring_seconds(model, cluster, b, local, e, t, c, flops_rate)
+    if cp_mode == "all-to-all":
+        cp_forward, cp_backward = _cp_all_to_all_seconds(model, cluster, b, local, e, t, c)
+    else:
+        cp_forward, cp_backward = _cp_ring_seconds(model, cluster, b, local, e, t, c, flops_rate)
     recompute_allreduces = 2 if recompute == "full" else 0
     recompute_rings = cp_forward if recompute in ("full", "selective") else 0.0
     f_stage = layers_per_stage * (f_layer / flops_rate + 2 * tp_allreduce + cp_forward)
@@ -177,7 +198,7 @@ def rank_memory(model: ModelConfig, training: Training, layout: Layout, peaks) -
 
 def costs_of(model: ModelConfig, cluster: Cluster, training: Training, layout: Layout) -> PassCosts:
     return pass_costs(model, cluster, training, layout.tp, layout.pp, layout.dp, layout.micro_batch,
-                      layout.chunks, layout.cp, layout.recompute)
+                      layout.chunks, layout.cp, layout.recompute, layout.cp_mode)
 
 
 def run_schedule(costs: PassCosts, layout: Layout, exact: bool = True) -> ScheduleRun:

@@ -80,6 +80,7 @@ class Layout:
     recompute: str
     zero: int  # ZeRO stage over dp x cp
     cp: int = 1
+    cp_mode: str = "ring"  # or "all-to-all" (parallelize's cp_mode)
 
     @property
     def zero1(self) -> bool:
@@ -114,7 +115,8 @@ class Plan:
 
 
 def describe(layout: Layout) -> str:
-    return (f"tp={layout.tp} pp={layout.pp}{f' cp={layout.cp}' if layout.cp > 1 else ''} dp={layout.dp} "
+    cp = f" cp={layout.cp}{' all-to-all' if layout.cp_mode == 'all-to-all' else ''}" if layout.cp > 1 else ""
+    return (f"tp={layout.tp} pp={layout.pp}{cp} dp={layout.dp} "
             f"b={layout.micro_batch} {layout.schedule}"
             f"{f' v={layout.chunks}' if layout.chunks > 1 else ''} recompute={layout.recompute}"
             f"{f' zero{layout.zero}' if layout.zero else ''}")

@@ -90,4 +90,12 @@ def _batch_layouts(model: ModelConfig, cluster: Cluster, training: Training, tp:
                 continue
             for recompute in training.recompute:
                 for zero in (training.zero if dp * cp > 1 else (0,)):
-                    yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero, cp)
+                    for cp_mode in _cp_modes(model, tp, cp):
+                        yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero, cp, cp_mode)
+
+
+def _cp_modes(model: ModelConfig, tp: int, cp: int) -> tuple[str, ...]:
+    """The ring always; all-to-all where cp divides a tensor-parallel rank's query heads."""
+    if cp == 1:
+        return ("ring",)
+    return ("ring", "all-to-all") if (model.heads // tp) % cp == 0 else ("ring",)
