@@ -68,8 +68,9 @@ class ContextOptions:
     """Context parallelism (cp > 1, transformers causal LMs; torchpp.context_parallel).
 
     Attributes:
-        mode: "ring" (key/value shards passed around the ring, overlapping compute) or
-            "all-gather".
+        mode: "ring" (key/value shards passed around the ring, overlapping compute),
+            "all-gather", or "all-to-all" (heads traded for the sequence, DeepSpeed-Ulysses: cp
+            must divide each tensor-parallel rank's heads).
         layout: "zigzag" (rank r holds chunks r and 2c-1-r of 2c: causal work balanced) or
             "contiguous".
     """
