@@ -111,19 +111,6 @@ def test_cp2_more_families_packed(ranks):
     assert all(set(r) == set(FAMILIES) for r in results), results
 
 
-def check_masks_blind_to_packing():
-    """Models whose forwards hand their mask functions no position ids (GPT-OSS, OPT, AfMoE): their
-    masks do not split packed rows (transformers splits them by the position ids it is given), so
-    neither does sharded attention; splitting them fails these cases."""
-    return {"gpt_oss packed window all-to-all": check_cp("gpt_oss", sliding_window=3, packed=True, mode="all-to-all"),
-            "opt packed": check_cp("opt", packed=True, plan="auto"), "afmoe packed": check_cp("afmoe", packed=True)}
-
-
-def test_cp2_models_whose_masks_do_not_split_packed_rows(ranks):
-    results = ranks(2).run(check_masks_blind_to_packing, timeout=TIMEOUT_S)
-    assert all(len(r) == 3 for r in results), results
-
-
 def check_all_to_all_at(dims: str):
     if dims == "cp4":  # one of the 4 heads per rank; Mistral's 2 key/value heads repeated
         return [check_cp("llama", cp=4, packed=True, mode="all-to-all"),
@@ -142,10 +129,8 @@ def test_all_to_all_at_cp4_and_with_tp_pp(ranks, dims):
 def check_without_backend_flag():
     """Models that do not declare attention backends (_supports_attention_backend False) but run
     attention through transformers' functions and take position ids: StableLM (partial rotary),
-    BioGPT (learned positions, scaled embeddings; its masks get no position ids, so packed rows are
-    not split)."""
-    return {"stablelm packed": check_cp("stablelm", packed=True, plan="auto"),
-            "biogpt packed": check_cp("biogpt", plan="auto", packed=True)}
+    BioGPT (learned positions, scaled embeddings; packed: tests/faults/test_context_parallel_masks.py)."""
+    return {"stablelm packed": check_cp("stablelm", packed=True, plan="auto"), "biogpt": check_cp("biogpt", plan="auto")}
 
 
 def test_cp2_models_without_the_attention_backend_flag(ranks):
