@@ -179,8 +179,9 @@ def check_own_attention_code():
             "megatron-bert decoder packed": check_cp("megatron-bert", plan="auto", is_decoder=True, packed=True),
             "mvp": check_cp("mvp", plan="auto"), "trocr": check_cp("trocr", plan="auto"),
             # TrOCR's sinusoidal table counts the non-padding tokens it is given (the random ids hold
-            # padding): it counts every rank's, gathered.
-            "trocr sinusoidal": check_cp("trocr", plan="auto", use_learned_position_embeddings=False),
+            # padding): it counts every rank's, gathered (once, though selective recompute applies cp twice).
+            "trocr sinusoidal recompute": check_cp("trocr", plan="auto", use_learned_position_embeddings=False,
+                                                   recompute="selective"),
             # RoFormer's rotary from a sinusoidal table its encoder counts from the length (handed the
             # global positions; rotated values too).
             "roformer decoder rotary values": check_cp("roformer", plan="auto", is_decoder=True, rotary_value=True),

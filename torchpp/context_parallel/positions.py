@@ -160,7 +160,9 @@ def apply_positions(model: nn.Module, cp) -> None:
             module.register_forward_pre_hook(_global_positions(cp), with_kwargs=True)
             module._torchpp_global_positions = True
     for _, module in token_counters(model):
-        module.create_position_ids_from_input_ids = _counting_over_the_sequence(cp, module)
+        if not getattr(module, "_torchpp_counts_the_sequence", False):  # (the recompute pass applies cp again)
+            module.create_position_ids_from_input_ids = _counting_over_the_sequence(cp, module)
+            module._torchpp_counts_the_sequence = True
 
 
 def check_given(positions: ModelPositions, position_ids: torch.Tensor) -> None:
