@@ -87,6 +87,10 @@ def check_errors():
         model(input_ids=ids, use_cache=True)
     with pytest.raises(ValueError, match="cp_mode must be one of"):
         parallelize(tiny_model("llama"), state=state, cp_mode="tree")
+    with pytest.raises(ValueError, match=r"cp_mode='all-to-all' .* num_attention_heads=3 over tp=1 leaves 3 per tp "
+                                         r"rank, which cp=2 does not divide"):
+        parallelize(tiny_model("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48), state=state,
+                    cp_mode="all-to-all")
     with pytest.raises(ValueError, match="needs attention_dropout=0"):
         parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
     with pytest.raises(NotImplementedError, match="load-balancing loss .* not supported with cp=2"):

@@ -103,6 +103,19 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
     return positions
 
 
+def check_all_to_all_heads(model: nn.Module, tp: int, cp: int) -> None:
+    """All-to-all attention gives each cp rank 1/cp of a tensor-parallel rank's query heads: refuses
+    a head count (the text config's, where it holds one) that tp x cp does not divide, when the
+    model is wrapped rather than at its first forward (the op refuses any other count then)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % (tp * cp):
+        raise ValueError(f"torchpp.parallelize: cp_mode='all-to-all' gives each of the cp={cp} ranks 1/cp of a "
+                         f"tensor-parallel rank's query heads, but num_attention_heads={heads} over tp={tp} leaves "
+                         f"{heads / tp:g} per tp rank, which cp={cp} does not divide; use cp_mode='ring' or "
+                         f"'all-gather'")
+
+
 def attention_configs(model: nn.Module) -> Dict[int, object]:
     return {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()]
             if c is not None and hasattr(c, "_attn_implementation")}

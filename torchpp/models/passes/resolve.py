@@ -78,6 +78,10 @@ def apply_plans(model: nn.Module, state: WrapState, config: ParallelConfig) -> n
         from torchpp.context_parallel.hf_support import check_model
 
         state.cp_positions = check_model(model, ps.cp, state.layout.layers if state.layout is not None else None)
+        if config.context.mode == "all-to-all":
+            from torchpp.context_parallel.hf_support import check_all_to_all_heads
+
+            check_all_to_all_heads(model, ps.tp, ps.cp)
     state.tp_context = tp_context(model, ps, config.tensor.sequence_parallel, split_bw=ps.pp > 1)
     if ps.ep > 1 or config.experts.capacity_factor is not None:  # bad ep plans raise before anything changes
         from torchpp.expert_parallel.plan import expert_plans
