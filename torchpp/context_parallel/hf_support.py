@@ -108,7 +108,10 @@ def check_all_to_all_heads(model: nn.Module, tp: int, cp: int) -> None:
     a head count (the text config's, where it holds one) that tp x cp does not divide, when the
     model is wrapped rather than at its first forward (the op refuses any other count then)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(config, "num_attention_heads", None)
+    try:
+        heads = getattr(config, "num_attention_heads", None)
+    except Exception:  # noqa: BLE001 - a count per layer (transformers' heterogeneous configs): the op checks each
+        heads = None
     if isinstance(heads, int) and heads % (tp * cp):
         raise ValueError(f"torchpp.parallelize: cp_mode='all-to-all' gives each of the cp={cp} ranks 1/cp of a "
                          f"tensor-parallel rank's query heads, but num_attention_heads={heads} over tp={tp} leaves "
