@@ -48,6 +48,7 @@ UNKNOWN_GROUP_CALLS = {
     # Context-parallel attention on a [b, heads, s_local, d] shard (and its halves).
     "ring_attention": ((*_QKV, None), (2,)),
     "all_gather_attention": ((*_QKV, None), (2,)),
+    "all_to_all_attention": ((*_QKV, None), (2,)),
     "ring_attention_forward": ((*_QKV, None), (2, True, None, "zigzag")),
     "all_gather_attention_forward": ((*_QKV, None), (2, True, None, "zigzag")),
     "ring_attention_backward": ((_QKV[0], *_QKV, _QKV[0], torch.zeros(1, 2, 4), None), (2, True, None, "zigzag")),
