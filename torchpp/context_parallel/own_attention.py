@@ -72,12 +72,8 @@ def falcon_key_bias(alibi: torch.Tensor, module: nn.Module, batch: int, total: i
     """[b, heads, 1, total] Falcon's ALiBi bias over every key of the sequence, as its model builds
     it for one process: ``bf16(slope) * j`` rounded to bfloat16 (not linear in j past 256 keys, so
     no slope reproduces it), divided by the square root of the head width. The slopes are read from
-    the rows the model built for this rank's shard (and heads): key 1's entry is the slope itself."""
-    rows = alibi.view(batch, module.num_heads, -1)
-    if rows.size(-1) < 2:
-        raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__}'s ALiBi bias spans one key "
-                                  f"on this rank; its slopes need two (a shard of at least 2 tokens)")
-    slopes = rows[:, :, 1].bfloat16()
+    the rows the model built for this rank's shard (and heads), whose key 0 entry is 0."""
+    slopes = alibi_slopes(alibi.view(batch, module.num_heads, -1), module).bfloat16()
     keys = torch.arange(total, device=alibi.device)[None, None, :]
     return ((slopes[..., None] * keys).to(alibi.dtype) / math.sqrt(module.head_dim))[:, :, None, :]
 
@@ -176,12 +172,12 @@ def _xlm_attention(module: nn.Module) -> None:
 
 
 def alibi_slopes(bias_rows: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """[heads] slopes from a model's ALiBi rows [heads, L] (slope * (j + c) for key j): their
-    step from one key to the next. The rows are this rank's heads' under tensor parallelism."""
+    """[..., heads] slopes from a model's ALiBi rows [..., heads, L] (slope * (j + c) for key j):
+    their step from one key to the next. The rows are this rank's heads' under tensor parallelism."""
     if bias_rows.size(-1) < 2:
         raise NotImplementedError(f"torchpp context parallelism: {type(module).__name__}'s ALiBi bias spans one key "
                                   f"on this rank; its slopes need two (a shard of at least 2 tokens)")
-    return bias_rows[:, 1] - bias_rows[:, 0]
+    return bias_rows[..., 1] - bias_rows[..., 0]
 
 
 def _bloom(module: nn.Module) -> None:
