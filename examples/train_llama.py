@@ -50,9 +50,12 @@ def parse_args():
     layout.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     layout.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (dp = world / (tp*pp*cp))")
     layout.add_argument("--cp", type=int, default=1, help="context-parallel size: each sequence split over cp ranks")
-    layout.add_argument("--cp-mode", choices=("ring", "all-gather", "all-to-all"), default="ring",
-                        help="how attention reaches the other cp ranks' keys: passed around a ring, all-gathered, or "
-                             "heads traded for the sequence (all-to-all, DeepSpeed-Ulysses: cp must divide the heads)")
+    layout.add_argument("--cp-mode", choices=("ring", "all-gather", "all-to-all", "all-to-all+ring"), default="ring",
+                        help="how attention reaches the other cp ranks' keys: passed around a ring, all-gathered, "
+                             "heads traded for the sequence (all-to-all, DeepSpeed-Ulysses: cp must divide the heads), "
+                             "or both (all-to-all inside groups of --cp-all-to-all-size ranks, the ring across them)")
+    layout.add_argument("--cp-all-to-all-size", type=int, default=None,
+                        help="with --cp-mode all-to-all+ring: consecutive cp ranks per all-to-all group (one node's)")
     layout.add_argument("--schedule", default="zb-h1", help="any torchpp.schedule name")
     layout.add_argument("--microbatches", type=int, default=4)
     layout.add_argument("--zero", type=int, nargs="?", const=1, default=0, choices=(0, 1, 2, 3),
@@ -196,7 +199,7 @@ def main():
     scaler = GradScaler(state.device.type, enabled=args.fp16)  # one skip decision for all ranks; off unless --fp16
     model = parallelize(hf_model, schedule=args.schedule, n_microbatches=args.microbatches,
                         recompute=args.recompute, state=state, grad_scaler=scaler, zero=args.zero,
-                        cp_mode=args.cp_mode)
+                        cp_mode=args.cp_mode, cp_all_to_all_size=args.cp_all_to_all_size)
     del hf_model
     if args.init_from:
         load_hf_weights(model, args.init_from)

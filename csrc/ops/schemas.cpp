@@ -51,6 +51,12 @@ TORCH_LIBRARY_FRAGMENT(torchpp, m) {
   m.def("all_to_all_attention(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
         "int group_size, bool causal=True, float? scale=None, str layout=\"zigzag\", int window=0, "
         "Tensor? sinks=None, float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
+  // Hierarchical (Megatron's "a2a+p2p"): all-to-all inside groups of a consecutive cp ranks, the ring across
+  // the c / a groups (cp rank = ring rank * a + all-to-all rank); a must divide hq.
+  m.def("all_to_all_ring_attention(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, "
+        "str all_to_all_group_name, int all_to_all_size, str ring_group_name, int ring_size, bool causal=True, "
+        "float? scale=None, str layout=\"zigzag\", int window=0, Tensor? sinks=None, float softcap=0., "
+        "Tensor? alibi_slopes=None) -> Tensor");
   // Ring's and all-gather's halves (without sinks): the output and log-sum-exp [b, hq, s_local] (float for 16-bit inputs) ...
   m.def("ring_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
         "int group_size, bool causal, float? scale, str layout, int window=0, float softcap=0., "

@@ -1,7 +1,8 @@
 """Context-parallel attention (torch.ops.torchpp.ring_attention / all_gather_attention /
-all_to_all_attention) on spawned gloo ranks: each rank's output and its q, k, v gradients equal its
-shard of full-sequence SDPA (fp64, 1e-10), at cp=2 and cp=4, causal and full, the three modes (the
-all-to-all's key/value heads repeated where c does not divide them: 2 and 1 heads at cp=4), both layouts, grouped-query
+all_to_all_attention / all_to_all_ring_attention) on spawned gloo ranks: each rank's output and its q, k, v
+gradients equal its shard of full-sequence SDPA (fp64, 1e-10), at cp=2 and cp=4, causal and full, the four
+modes (the all-to-all's key/value heads repeated where c does not divide them: 2 and 1 heads at cp=4;
+hierarchical: all-to-all groups of 2, the ring across 1 or 2 of them), both layouts, grouped-query
 attention and packed sequences, sliding windows, attention sinks and capped scores (against the
 softmax written out, the sinks' gradient summed over the ranks); bad lengths, layouts and modes
 raise naming the values. Blocks run on the CPU flash kernel (which returns the log-sum-exp) except
@@ -15,11 +16,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchpp.context_parallel import attention, sequence_positions, shard_sequence, unshard_sequence
+from torchpp.context_parallel import (attention, hierarchical_groups, sequence_positions, shard_sequence,
+                                      unshard_sequence)
 
 TOL = 1e-10
 BATCH, HEADS, HEAD_DIM = 2, 4, 8
-MODES = ("ring", "all-gather", "all-to-all")
+MODES = ("ring", "all-gather", "all-to-all", "all-to-all+ring")
+_HIERARCHICAL = {}
+
+
+def _group_of(mode: str, group):
+    """The op's group(s): for all-to-all+ring, all-to-all groups of 2 ranks (1 at cp=1) and the ring
+    across them (made once per process: every rank makes them in the same call)."""
+    if mode != "all-to-all+ring":
+        return group
+    a = min(2, group.size())
+    if a not in _HIERARCHICAL:
+        _HIERARCHICAL[a] = hierarchical_groups(a, group)
+    return _HIERARCHICAL[a]
 
 
 def _inputs(seq_len: int, kv_heads: int, value_dim: int = HEAD_DIM):
@@ -108,7 +122,8 @@ def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.de
         local_sinks = sink_logits.to(device, dtype).requires_grad_()
         inputs += (local_sinks,)
     local_segments = shard_sequence(segments, group, dim=1, layout=layout).to(device) if packed else None
-    out = attention(ql, kl, vl, group, causal=causal, mode=mode, layout=layout, segment_ids=local_segments,
+    out = attention(ql, kl, vl, _group_of(mode, group), causal=causal, mode=mode, layout=layout,
+                    segment_ids=local_segments,
                     window=window, sinks=local_sinks, softcap=softcap,
                     alibi_slopes=None if slopes is None else slopes.to(device, dtype))
     got = [out.detach(), *torch.autograd.grad(out, inputs, local(grad))]
@@ -168,7 +183,7 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
                     dtype=dtype, window=chunk + 1, alibi=True)
     # Values narrower (with a window and sinks) and wider (packed rows) than the keys, as MLA's.
     for mode, value_dim in (("ring", HEAD_DIM - 3), ("all-gather", HEAD_DIM + 4), ("all-to-all", HEAD_DIM - 3),
-                            ("all-to-all", HEAD_DIM + 4)):
+                            ("all-to-all", HEAD_DIM + 4), ("all-to-all+ring", HEAD_DIM - 3)):
         _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=True, packed=value_dim > HEAD_DIM,
                     device=device, dtype=dtype, window=chunk + 1 if value_dim < HEAD_DIM else None,
                     sinks=value_dim < HEAD_DIM, value_dim=value_dim)
@@ -187,9 +202,16 @@ def check_errors():
     q = torch.zeros(1, 2, 3, 4, dtype=torch.float64)  # an odd zigzag shard
     for mode in MODES:
         with pytest.raises(RuntimeError, match=r"2c = 4 chunks.* has 3 tokens \(a sequence of 6 tokens"):
-            attention(q, q, q, group, mode=mode)
+            attention(q, q, q, _group_of(mode, group), mode=mode)
     with pytest.raises(RuntimeError, match=r"all_to_all_attention: .* 3 query heads do not divide over 2 ranks"):
         attention(torch.zeros(1, 3, 4, 4), torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 4), group, mode="all-to-all")
+    with pytest.raises(RuntimeError, match=r"all_to_all_ring_attention: .* 3 query heads do not divide over a=2"):
+        attention(torch.zeros(1, 3, 4, 4), torch.zeros(1, 1, 4, 4), torch.zeros(1, 1, 4, 4),
+                  _group_of("all-to-all+ring", group), mode="all-to-all+ring")
+    with pytest.raises(ValueError, match=r"'all-to-all\+ring' takes group=\(all-to-all group, ring group\)"):
+        attention(q, q, q, group, mode="all-to-all+ring")
+    with pytest.raises(ValueError, match=rf"size must divide {c}, got all_to_all_size=3"):
+        hierarchical_groups(3, group)
     with pytest.raises(RuntimeError, match="query heads 3 must be a multiple of key/value heads 2"):
         attention(torch.zeros(1, 3, 4, 4), torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), group)
     with pytest.raises(RuntimeError, match=r"segment_ids must be \[batch, s_local\] = \[1, 4\]"):
@@ -210,7 +232,7 @@ def check_errors():
         attention(q4, q4, q4, group, causal=False, window=3)
     for mode in MODES:
         with pytest.raises(RuntimeError, match=r"sinks must hold one logit per query head, \[2\], got \[3\]"):
-            attention(q4, q4, q4, group, mode=mode, sinks=torch.zeros(3))
+            attention(q4, q4, q4, _group_of(mode, group), mode=mode, sinks=torch.zeros(3))
     return True
 
 

@@ -93,6 +93,16 @@ def check_errors():
                                          r"rank, which cp=2 does not divide"):
         parallelize(tiny_model("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48), state=state,
                     cp_mode="all-to-all")
+    with pytest.raises(ValueError, match=r"cp_mode='all-to-all\+ring' .* num_attention_heads=3 over tp=1 leaves 3 "
+                                         r"per tp rank, which cp_all_to_all_size=2 does not divide"):
+        parallelize(tiny_model("llama", num_attention_heads=3, num_key_value_heads=1, hidden_size=48), state=state,
+                    cp_mode="all-to-all+ring", cp_all_to_all_size=2)
+    with pytest.raises(ValueError, match=r"size must divide 2, got all_to_all_size=4"):
+        parallelize(tiny_model("llama"), state=state, cp_mode="all-to-all+ring", cp_all_to_all_size=4)
+    with pytest.raises(ValueError, match="cp_mode='all-to-all\\+ring' needs cp_all_to_all_size"):
+        parallelize(tiny_model("llama"), state=state, cp_mode="all-to-all+ring")
+    with pytest.raises(ValueError, match=r"cp_all_to_all_size=2 sizes the all-to-all groups .* not of cp_mode='ring'"):
+        parallelize(tiny_model("llama"), state=state, cp_all_to_all_size=2)
     with pytest.raises(ValueError, match="needs attention_dropout=0"):
         parallelize(tiny_model("llama", attention_dropout=0.1), state=state)
     with pytest.raises(NotImplementedError, match="load-balancing loss .* not supported with cp=2"):
@@ -118,9 +128,10 @@ def test_cp2_more_families_packed(ranks):
 
 
 def check_all_to_all_at(dims: str):
-    if dims == "cp4":  # one of the 4 heads per rank; Mistral's 2 key/value heads repeated
+    if dims == "cp4":  # one of the 4 heads per rank; Mistral's 2 key/value heads repeated; hierarchical 2 x 2
         return [check_cp("llama", cp=4, packed=True, mode="all-to-all"),
-                check_cp("mistral", cp=4, sliding_window=5, mode="all-to-all", layout="contiguous")]
+                check_cp("mistral", cp=4, sliding_window=5, mode="all-to-all", layout="contiguous"),
+                check_cp("qwen2", cp=4, packed=True, mode="all-to-all+ring", all_to_all_size=2)]
     if dims == "cp2xtp2":  # a tp rank's 2 heads over the cp ranks
         return [check_cp("llama", tp=2, mode="all-to-all")]
     return [check_cp("mistral", pp=2, mode="all-to-all", packed=True)]

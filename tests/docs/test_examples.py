@@ -145,7 +145,7 @@ def test_megatron_page_example_matches_megatrons_schedule():
 
 def test_context_parallel_page_example_equals_sdpa(tmp_path):
     (tmp_path / "cp_attention.py").write_text(python_block("context_parallel.md", "`cp_attention.py`"))
-    out = run(["cp_attention.py"], tmp_path, nproc=2)
+    out = run(["cp_attention.py", "all-to-all+ring"], tmp_path, nproc=4)  # (the ring inside: the ops' tests)
     errors = [float(x) for x in re.findall(r"(?:output|dq|dk|dv) ([0-9.e+-]+)", out)]
     assert len(errors) == 4 and max(errors) < 1e-10, out
 

@@ -1,6 +1,6 @@
 """Model-level parallelism on the GPU over NCCL, float32 against the unwrapped model in one
 process on the same GPU (torchpp.testing checks, rtol 1e-5): context parallelism at cp=2 (ring,
-all-gather and all-to-all attention, both layouts; sparse indexed and compressed attention), expert parallelism at ep=2 (Mixtral), ZeRO-3 at dp=2,
+all-gather, all-to-all and all-to-all+ring attention, both layouts; sparse indexed and compressed attention), expert parallelism at ep=2 (Mixtral), ZeRO-3 at dp=2,
 a DCP checkpoint saved at tp=2 that reloads at tp=1 x dp=2 and continues the same run, and
 destroy_parallel freeing NCCL layouts."""
 import torch
@@ -18,6 +18,7 @@ def check_context_parallel():
     # with a boolean mask (sinks as an extra key) on CUDA's kernels.
     return [check_cp("llama", **F32), check_cp("llama", mode="all-gather", layout="contiguous", **F32),
             check_cp("llama", mode="all-to-all", packed=True, **F32),
+            check_cp("llama", mode="all-to-all+ring", all_to_all_size=2, layout="contiguous", **F32),
             check_cp("deepseek_v32", **F32), check_cp("deepseek_v4", index_topk=3, **F32)]
 
 

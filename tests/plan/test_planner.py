@@ -111,21 +111,45 @@ def test_long_sequences_get_context_parallelism():
 
 def test_slow_links_trade_heads_for_the_sequence():
     """Where links are too slow for the ring's transfers to hide behind its blocks (10 GB/s in a
-    node), all-to-all cp (each rank attending with its heads over the whole sequence, exposed but
-    a 1/c share of four tensors) wins; on NVLink the ring hides and wins. All-to-all is only
-    offered where cp divides a tensor-parallel rank's heads."""
+    node, 1 GB/s across), all-to-all cp (each rank attending with its heads over the whole
+    sequence, exposed but a 1/c share of four tensors) wins, inside each node with the ring across
+    them (a2a+p2p); on NVLink the ring hides and wins. All-to-all is only offered where cp divides
+    a tensor-parallel rank's heads."""
     training = Training(16, 65536, micro_batches=(1,))
     slow = Cluster(16, 80e9, intra_node_bandwidth=10e9, inter_node_bandwidth=1e9)
     result = plan(PRESETS["llama2-7b"], slow, training)
     best = result.best.layout
-    assert best.cp > 1 and best.cp_mode == "all-to-all", format_plan(result)
-    ring = evaluate(PRESETS["llama2-7b"], slow, training, dataclasses.replace(best, cp_mode="ring"))
+    assert best.cp > 1 and best.cp_mode in ("all-to-all", "all-to-all+ring"), format_plan(result)
+    ring = evaluate(PRESETS["llama2-7b"], slow, training,
+                    dataclasses.replace(best, cp_mode="ring", cp_all_to_all_size=None))
     assert ring.breakdown["cp_comm"] > 2 * result.best.breakdown["cp_comm"] > 0
-    assert f" {best.cp} a2a " in format_plan(result)
+    assert f" {best.cp} a2a" in format_plan(result)
     fast = plan(PRESETS["llama2-7b"], Cluster(16, 80e9), training).best.layout
     assert fast.cp > 1 and fast.cp_mode == "ring"
     heads = PRESETS["llama2-7b"].heads
     assert all((heads // c.layout.tp) % c.layout.cp == 0 for c in result.ranked if c.layout.cp_mode == "all-to-all")
+
+
+def test_a_slow_network_keeps_the_all_to_all_inside_nodes():
+    """Across nodes of 5 GB/s the ring of tp=4 x cp=4 (two nodes) cannot hide its three transfers;
+    all-to-all inside each node's cp ranks and the ring across the nodes (Megatron's a2a+p2p) passes
+    one block, beside twice the compute, and wins. It is offered where a node's cp ranks
+    (gpus_per_node / tp) divide cp and a tensor-parallel rank's heads."""
+    training = Training(16, 65536, micro_batches=(1,))
+    cluster = Cluster(16, 80e9, inter_node_bandwidth=5e9)
+    result = plan(PRESETS["llama2-7b"], cluster, training)
+    best = result.best.layout
+    assert best.cp_mode == "all-to-all+ring" and best.cp_all_to_all_size == cluster.gpus_per_node // best.tp, \
+        format_plan(result)
+    ring = evaluate(PRESETS["llama2-7b"], cluster, training,
+                    dataclasses.replace(best, cp_mode="ring", cp_all_to_all_size=None))
+    assert ring.breakdown["cp_comm"] > result.best.breakdown["cp_comm"] > 0
+    assert f" {best.cp} a2a{best.cp_all_to_all_size}+r " in format_plan(result)
+    heads = PRESETS["llama2-7b"].heads
+    for c in result.ranked:
+        a = c.layout.cp_all_to_all_size
+        assert (a is None) == (c.layout.cp_mode != "all-to-all+ring")
+        assert a is None or (c.layout.cp % a == 0 and (heads // c.layout.tp) % a == 0 and 1 < a < c.layout.cp)
 
 
 def test_short_sequences_are_not_split():

@@ -6,8 +6,9 @@ same; "contiguous" gives rank r the r-th of c chunks. ``attention`` runs on this
 ``mode="ring"`` passes key/value shards around the ring (the next transfer overlapping the
 current block's compute), ``mode="all-gather"`` gathers them once, ``mode="all-to-all"`` trades
 heads for the sequence (DeepSpeed-Ulysses: each rank attends with 1/c of the heads over the whole
-sequence). Block results merge by log-sum-exp; the backward passes key/value gradients around the
-ring (or reduce-scatters them, or trades them back).
+sequence), ``mode="all-to-all+ring"`` both (all-to-all inside groups of consecutive ranks, the
+ring across them: ``hierarchical``). Block results merge by log-sum-exp; the backward passes
+key/value gradients around the ring (or reduce-scatters them, or trades them back).
 
 | function            | what                                                        |
 |---------------------|-------------------------------------------------------------|
@@ -15,6 +16,7 @@ ring (or reduce-scatters them, or trades them back).
 | unshard_sequence    | all-gather of the shards, back in sequence order            |
 | attention           | softmax attention of this rank's queries to the whole sequence |
 | sequence_positions  | the global positions this rank's shard holds                |
+| hierarchical_groups | the all-to-all and ring groups of mode "all-to-all+ring"    |
 
 Model-level integration: ``parallelize(model, cp=)`` (``torchpp.context_parallel.hf``: attention;
 ``gathered`` with ``indexed``, ``compressed``, ``relative_bias`` and ``dynamic_mask``: attention to
@@ -24,19 +26,20 @@ linear recurrences). See docs/context_parallel.md.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 import torchpp  # noqa: F401  (registers torch.ops.torchpp)
 from torchpp.ops import GroupLike, gather_from_sp_region, gather_from_tp_region, group_of
+from torchpp.context_parallel.hierarchical import hierarchical_groups
 
 LAYOUTS = ("zigzag", "contiguous")
-MODES = ("ring", "all-gather", "all-to-all")
+MODES = ("ring", "all-gather", "all-to-all", "all-to-all+ring")
 
-__all__ = ["LAYOUTS", "MODES", "attention", "chunk_indices", "sequence_positions", "shard_sequence",
-           "unshard_sequence"]
+__all__ = ["LAYOUTS", "MODES", "attention", "chunk_indices", "hierarchical_groups", "sequence_positions",
+           "shard_sequence", "unshard_sequence"]
 
 
 def _check_layout(layout: str) -> None:
@@ -138,7 +141,7 @@ def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    group: GroupLike = None,
+    group: Union[GroupLike, Tuple[GroupLike, GroupLike]] = None,
     *,
     causal: bool = True,
     scale: Optional[float] = None,
@@ -161,14 +164,17 @@ def attention(
             attention: query head j uses key head j // (heads / kv_heads)).
         value: [b, kv_heads, s_local, d_v]; d_v may differ from d (MLA), the narrower of the
             two zero-padded for the blocks.
-        group: the context-parallel group (ProcessGroup, name, or None for the world).
+        group: the context-parallel group (ProcessGroup, name, or None for the world); with mode
+            "all-to-all+ring", the pair ``hierarchical_groups(a, cp_group)`` returns.
         causal: each token sees the tokens at or before its global position.
         scale: score scale; default 1/sqrt(d).
         mode: "ring" (key/value shards passed around the ring, transfers overlapping compute),
             "all-gather" (gathered once; simpler, c times the key/value memory) or "all-to-all"
             (DeepSpeed-Ulysses: heads traded for the sequence, each rank attending with heads / c
             heads over the whole sequence; the group size must divide the heads, key/value heads
-            it does not divide are repeated; a rank's traffic does not grow with c).
+            it does not divide are repeated; a rank's traffic does not grow with c), or
+            "all-to-all+ring" (hierarchical, Megatron's "a2a+p2p": all-to-all inside groups of a
+            consecutive ranks, which a must divide the heads, the ring across the c / a groups).
         layout: how the sequence was sharded: "zigzag" or "contiguous".
         segment_ids: [b, s_local] integer ids of this rank's tokens; tokens attend only to tokens
             of the same id (packed sequences). None: one sequence per row.
@@ -187,15 +193,7 @@ def attention(
         [b, heads, s_local, d], this rank's shard of the output.
     """
     _check_layout(layout)
-    group = group_of(group)
-    if mode == "ring":
-        op = torch.ops.torchpp.ring_attention
-    elif mode == "all-gather":
-        op = torch.ops.torchpp.all_gather_attention
-    elif mode == "all-to-all":
-        op = torch.ops.torchpp.all_to_all_attention
-    else:
-        raise ValueError(f"torchpp.context_parallel.attention: mode must be one of {MODES}, got {mode!r}")
+    op, groups = _op_and_groups(mode, group)
     if window is not None and window <= 0:
         raise ValueError(f"torchpp.context_parallel.attention: window must be positive (None: no window), got {window}")
     if softcap is not None and not softcap > 0:
@@ -205,6 +203,23 @@ def attention(
         scale = key_dim ** -0.5 if scale is None else scale
         width = max(key_dim, value_dim)
         query, key, value = (F.pad(t, (0, width - t.size(-1))) for t in (query, key, value))
-    out = op(query, key, value, segment_ids, group.group_name, group.size(), causal, scale, layout, window or 0, sinks,
-             softcap or 0.0, alibi_slopes)
+    out = op(query, key, value, segment_ids, *groups, causal, scale, layout, window or 0, sinks, softcap or 0.0,
+             alibi_slopes)
     return out[..., :value_dim] if out.size(-1) != value_dim else out
+
+
+def _op_and_groups(mode: str, group) -> tuple:
+    """The op of ``mode`` and its groups' arguments: (name, size), or both groups' for all-to-all+ring."""
+    ops = {"ring": torch.ops.torchpp.ring_attention, "all-gather": torch.ops.torchpp.all_gather_attention,
+           "all-to-all": torch.ops.torchpp.all_to_all_attention,
+           "all-to-all+ring": torch.ops.torchpp.all_to_all_ring_attention}
+    if mode not in ops:
+        raise ValueError(f"torchpp.context_parallel.attention: mode must be one of {MODES}, got {mode!r}")
+    if mode != "all-to-all+ring":
+        group = group_of(group)
+        return ops[mode], (group.group_name, group.size())
+    if not (isinstance(group, (tuple, list)) and len(group) == 2):
+        raise ValueError(f"torchpp.context_parallel.attention: mode 'all-to-all+ring' takes group=(all-to-all group, "
+                         f"ring group), as hierarchical_groups returns them, got {group!r}")
+    inner, ring = (group_of(g) for g in group)
+    return ops[mode], (inner.group_name, inner.size(), ring.group_name, ring.size())

@@ -21,7 +21,7 @@ import inspect
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ class ContextParallel:
     group: dist.ProcessGroup
     mode: str = "ring"
     layout: str = "zigzag"
+    # mode "all-to-all+ring": (all-to-all group, ring group) inside `group` (hierarchical_groups)
+    hierarchical: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = field(default=None, compare=False,
+                                                                              hash=False, repr=False)
     calls: AttentionCalls = field(default_factory=AttentionCalls, compare=False, hash=False, repr=False)
     # The position ids the latest layer was called with, for attention modules their layer does not
     # give them to (Llama 4's, GPT-BigCode's): packed rows are told apart by them.
@@ -67,6 +70,14 @@ class ContextParallel:
             raise ValueError(f"torchpp.parallelize: cp_mode must be one of {MODES}, got {self.mode!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"torchpp.parallelize: cp_layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if (self.mode == "all-to-all+ring") != (self.hierarchical is not None):
+            raise ValueError("torchpp context parallelism: mode 'all-to-all+ring' and its (all-to-all, ring) groups "
+                             "come together")
+
+    @property
+    def attention_group(self):
+        """What attention's ``group`` takes: the cp group, or all-to-all+ring's pair of groups."""
+        return self.hierarchical if self.hierarchical is not None else self.group
 
     @property
     def size(self) -> int:
@@ -223,7 +234,7 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     segments = _segment_ids(cp, position_ids, query.size(2))
     if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)
-    out = attention(query, key, value, cp.group, causal=causal, scale=scaling, mode=cp.mode, layout=cp.layout,
+    out = attention(query, key, value, cp.attention_group, causal=causal, scale=scaling, mode=cp.mode, layout=cp.layout,
                     segment_ids=segments, window=sliding_window, sinks=s_aux, softcap=softcap,
                     alibi_slopes=alibi_slopes)
     return out.transpose(1, 2).contiguous(), None

@@ -103,19 +103,21 @@ def check_model(model: nn.Module, size: int, layers: Optional[str] = None) -> Mo
     return positions
 
 
-def check_all_to_all_heads(model: nn.Module, tp: int, cp: int) -> None:
-    """All-to-all attention gives each cp rank 1/cp of a tensor-parallel rank's query heads: refuses
-    a head count (the text config's, where it holds one) that tp x cp does not divide, when the
-    model is wrapped rather than at its first forward (the op refuses any other count then)."""
+def check_all_to_all_heads(model: nn.Module, tp: int, cp: int, mode: str = "all-to-all") -> None:
+    """All-to-all attention gives each of its cp ranks (an all-to-all group's, in mode
+    all-to-all+ring) 1/cp of a tensor-parallel rank's query heads: refuses a head count (the text
+    config's, where it holds one) that tp x cp does not divide, when the model is wrapped rather
+    than at its first forward (the op refuses any other count then)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     try:
         heads = getattr(config, "num_attention_heads", None)
     except Exception:  # noqa: BLE001 - a count per layer (transformers' heterogeneous configs): the op checks each
         heads = None
     if isinstance(heads, int) and heads % (tp * cp):
-        raise ValueError(f"torchpp.parallelize: cp_mode='all-to-all' gives each of the cp={cp} ranks 1/cp of a "
+        ranks = f"cp={cp}" if mode == "all-to-all" else f"cp_all_to_all_size={cp}"
+        raise ValueError(f"torchpp.parallelize: cp_mode={mode!r} gives each of the {ranks} ranks 1/{cp} of a "
                          f"tensor-parallel rank's query heads, but num_attention_heads={heads} over tp={tp} leaves "
-                         f"{heads / tp:g} per tp rank, which cp={cp} does not divide; use cp_mode='ring' or "
+                         f"{heads / tp:g} per tp rank, which {ranks} does not divide; use cp_mode='ring' or "
                          f"'all-gather'")
 
 

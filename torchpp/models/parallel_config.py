@@ -69,14 +69,27 @@ class ContextOptions:
 
     Attributes:
         mode: "ring" (key/value shards passed around the ring, overlapping compute),
-            "all-gather", or "all-to-all" (heads traded for the sequence, DeepSpeed-Ulysses: cp
-            must divide each tensor-parallel rank's heads).
+            "all-gather", "all-to-all" (heads traded for the sequence, DeepSpeed-Ulysses: cp
+            must divide each tensor-parallel rank's heads) or "all-to-all+ring" (hierarchical,
+            Megatron's "a2a+p2p": all-to-all inside groups of ``all_to_all_size`` consecutive cp
+            ranks, which must divide each tensor-parallel rank's heads; the ring across them).
         layout: "zigzag" (rank r holds chunks r and 2c-1-r of 2c: causal work balanced) or
             "contiguous".
+        all_to_all_size: mode "all-to-all+ring"'s group size a (a divisor of cp; with the default
+            rank order "tp-cp-dp-pp", tp * a ranks per node keep each all-to-all inside a node).
     """
 
     mode: str = "ring"
     layout: str = "zigzag"
+    all_to_all_size: Optional[int] = None
+
+    def __post_init__(self):
+        if self.all_to_all_size is not None and self.mode != "all-to-all+ring":
+            raise ValueError(f"torchpp.parallelize: cp_all_to_all_size={self.all_to_all_size} sizes the all-to-all "
+                             f"groups of cp_mode='all-to-all+ring', not of cp_mode={self.mode!r}")
+        if self.mode == "all-to-all+ring" and self.all_to_all_size is None:
+            raise ValueError("torchpp.parallelize: cp_mode='all-to-all+ring' needs cp_all_to_all_size, the number of "
+                             "consecutive cp ranks (one node's) that trade heads by all-to-all")
 
 
 @dataclass
@@ -135,6 +148,7 @@ class ParallelConfig:
     def __post_init__(self):
         check_recompute_mode(self.recompute)
         self.zero = zero_stage(self.zero)
+        self.context.__post_init__()  # (its fields may have been set one by one, by parallelize's keywords)
 
     @classmethod
     def from_keywords(cls, config: Optional["ParallelConfig"] = None, **keywords) -> "ParallelConfig":
@@ -172,6 +186,7 @@ KEYWORDS: Dict[str, Tuple[str, str]] = {
     "overlap_forward_backward": ("pipeline", "overlap_forward_backward"),
     "cp_mode": ("context", "mode"),
     "cp_layout": ("context", "layout"),
+    "cp_all_to_all_size": ("context", "all_to_all_size"),
     "capacity_factor": ("experts", "capacity_factor"),
     "expert_tensor_parallel": ("experts", "tensor_parallel"),
 }

@@ -79,11 +79,34 @@ def _cp_ring_seconds(model: ModelConfig, cluster: Cluster, b: int, local: int, e
         return 0.0, 0.0
     kv_width = model.hidden * (model.kv_heads or model.heads) / model.heads
     shard = 2 * b * local * kv_width / t * e
-    link = _link(cluster, t * c)
     block = 4 * b * local * local * model.hidden / flops_rate  # over the t GPUs of the TP group
-    forward = (c - 1) * max(0.0, shard / link - block)
-    backward = (c - 1) * max(0.0, 2 * shard / link - 2 * block)
+    return _ring_exposed(c - 1, shard, _link(cluster, t * c), block)
+
+
+def _ring_exposed(steps: int, shard_bytes: float, link: float, block_seconds: float) -> tuple[float, float]:
+    """A ring's exposed (forward, backward) seconds: each step's transfer (backward: the shard and
+    its gradient) less the block computed beside it (backward: twice the FLOPs)."""
+    forward = steps * max(0.0, shard_bytes / link - block_seconds)
+    backward = steps * max(0.0, 2 * shard_bytes / link - 2 * block_seconds)
     return forward, backward
+
+
+def _cp_hierarchical_seconds(model: ModelConfig, cluster: Cluster, b: int, local: int, e: int, t: int, c: int,
+                             a: int, flops_rate: float) -> tuple[float, float]:
+    """All-to-all inside groups of a cp ranks (counted whole, over their span's link), then the ring
+    across the c / a groups: each step passes a times the tokens with 1/a of the (repeated)
+    key/value heads, beside a block of a times the queries against a times the keys with 1/a of
+    the heads (a times the ring's block)."""
+    inner_forward, inner_backward = _cp_all_to_all_seconds(model, cluster, b, local, e, t, a)
+    steps = c // a - 1
+    if steps == 0:
+        return inner_forward, inner_backward
+    local_kv_heads = max((model.kv_heads or model.heads) // t, 1)
+    repeats = a // math.gcd(local_kv_heads, a)
+    shard = 2 * b * local * local_kv_heads * repeats * (model.hidden / model.heads) * e
+    block = a * 4 * b * local * local * model.hidden / flops_rate
+    ring_forward, ring_backward = _ring_exposed(steps, shard, _link(cluster, t * c), block)
+    return inner_forward + ring_forward, inner_backward + ring_backward
 
 
 def _cp_all_to_all_seconds(model: ModelConfig, cluster: Cluster, b: int, local: int, e: int, t: int,
@@ -104,7 +127,7 @@ def _cp_all_to_all_seconds(model: ModelConfig, cluster: Cluster, b: int, local: 
 
 @functools.lru_cache(maxsize=65536)
 def pass_costs(model: ModelConfig, cluster: Cluster, training: Training, t: int, p: int, d: int, b: int, v: int,
-               c: int, recompute: str, cp_mode: str = "ring") -> PassCosts:
+               c: int, recompute: str, cp_mode: str = "ring", cp_all_to_all_size: int = 0) -> PassCosts:
     """Per-stage F, I, W seconds of one microbatch (the last stage also runs the output layer)."""
     s, h, e = training.seq_len, model.hidden, training.element_bytes
     local = s // c  # tokens of each sequence on this rank
@@ -124,6 +147,9 @@ def pass_costs(model: ModelConfig, cluster: Cluster, training: Training, t: int,
     tp_allreduce = _allreduce_seconds(b * local * h * e, t, _link(cluster, t))
     if cp_mode == "all-to-all":
         cp_forward, cp_backward = _cp_all_to_all_seconds(model, cluster, b, local, e, t, c)
+    elif cp_mode == "all-to-all+ring":
+        cp_forward, cp_backward = _cp_hierarchical_seconds(model, cluster, b, local, e, t, c, cp_all_to_all_size,
+                                                           flops_rate)
     else:
         cp_forward, cp_backward = _cp_ring_seconds(model, cluster, b, local, e, t, c, flops_rate)
     recompute_allreduces = 2 if recompute == "full" else 0
@@ -198,7 +224,7 @@ def rank_memory(model: ModelConfig, training: Training, layout: Layout, peaks) -
 
 def costs_of(model: ModelConfig, cluster: Cluster, training: Training, layout: Layout) -> PassCosts:
     return pass_costs(model, cluster, training, layout.tp, layout.pp, layout.dp, layout.micro_batch,
-                      layout.chunks, layout.cp, layout.recompute, layout.cp_mode)
+                      layout.chunks, layout.cp, layout.recompute, layout.cp_mode, layout.cp_all_to_all_size or 0)
 
 
 def run_schedule(costs: PassCosts, layout: Layout, exact: bool = True) -> ScheduleRun:

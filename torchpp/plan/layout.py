@@ -1,6 +1,8 @@
 """The planner's vocabulary: the cluster, the training run, a layout and a ranked candidate."""
 from __future__ import annotations
 
+from typing import Optional
+
 from dataclasses import dataclass, field
 
 from torchpp.plan.memory import RECOMPUTE, ZERO_STAGES
@@ -80,7 +82,8 @@ class Layout:
     recompute: str
     zero: int  # ZeRO stage over dp x cp
     cp: int = 1
-    cp_mode: str = "ring"  # or "all-to-all" (parallelize's cp_mode)
+    cp_mode: str = "ring"  # or "all-to-all", "all-to-all+ring" (parallelize's cp_mode)
+    cp_all_to_all_size: Optional[int] = None  # "all-to-all+ring"'s groups (parallelize's cp_all_to_all_size)
 
     @property
     def zero1(self) -> bool:
@@ -115,7 +118,8 @@ class Plan:
 
 
 def describe(layout: Layout) -> str:
-    cp = f" cp={layout.cp}{' all-to-all' if layout.cp_mode == 'all-to-all' else ''}" if layout.cp > 1 else ""
+    modes = {"ring": "", "all-to-all": " all-to-all", "all-to-all+ring": f" all-to-all({layout.cp_all_to_all_size})+ring"}
+    cp = f" cp={layout.cp}{modes[layout.cp_mode]}" if layout.cp > 1 else ""
     return (f"tp={layout.tp} pp={layout.pp}{cp} dp={layout.dp} "
             f"b={layout.micro_batch} {layout.schedule}"
             f"{f' v={layout.chunks}' if layout.chunks > 1 else ''} recompute={layout.recompute}"

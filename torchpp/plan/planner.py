@@ -8,6 +8,8 @@ away; the leaders are ranked exactly.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from torchpp.plan.cost_model import evaluate
 from torchpp.plan.layout import (MIN_CP_SHARD, Candidate, Cluster, Layout, Plan, PlanError, Training,
                                  context_parallel_sizes, describe)
@@ -90,12 +92,21 @@ def _batch_layouts(model: ModelConfig, cluster: Cluster, training: Training, tp:
                 continue
             for recompute in training.recompute:
                 for zero in (training.zero if dp * cp > 1 else (0,)):
-                    for cp_mode in _cp_modes(model, tp, cp):
-                        yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero, cp, cp_mode)
+                    for cp_mode, size in _cp_modes(model, cluster, tp, cp):
+                        yield Layout(tp, pp, dp, b, m, v, schedule, recompute, zero, cp, cp_mode, size)
 
 
-def _cp_modes(model: ModelConfig, tp: int, cp: int) -> tuple[str, ...]:
-    """The ring always; all-to-all where cp divides a tensor-parallel rank's query heads."""
+def _cp_modes(model: ModelConfig, cluster: Cluster, tp: int, cp: int) -> list[tuple[str, Optional[int]]]:
+    """(mode, all-to-all group size): the ring always; all-to-all where cp divides a tensor-parallel
+    rank's query heads; where cp spans nodes, all-to-all inside each node's cp ranks (a = its GPUs
+    / tp, with the default rank order tp-cp-dp-pp) and the ring across nodes, where a divides them."""
     if cp == 1:
-        return ("ring",)
-    return ("ring", "all-to-all") if (model.heads // tp) % cp == 0 else ("ring",)
+        return [("ring", None)]
+    modes = [("ring", None)]
+    local_heads = model.heads // tp
+    if local_heads % cp == 0:
+        modes.append(("all-to-all", None))
+    a = cluster.gpus_per_node // tp if cluster.gpus_per_node % tp == 0 else 0
+    if 1 < a < cp and cp % a == 0 and local_heads % a == 0:
+        modes.append(("all-to-all+ring", a))
+    return modes

@@ -5,13 +5,17 @@ from torchpp.plan.planner import Candidate, Plan
 
 
 def _cp(layout) -> str:
-    """cp and, past 1, how attention crosses its ranks: ring, or a2a (all-to-all)."""
-    return f"{layout.cp} {'a2a' if layout.cp_mode == 'all-to-all' else 'ring'}" if layout.cp > 1 else "1"
+    """cp and, past 1, how attention crosses its ranks: ring, a2a (all-to-all), or a2aN+r
+    (all-to-all inside groups of N, the ring across them)."""
+    if layout.cp == 1:
+        return "1"
+    modes = {"ring": "ring", "all-to-all": "a2a", "all-to-all+ring": f"a2a{layout.cp_all_to_all_size}+r"}
+    return f"{layout.cp} {modes[layout.cp_mode]}"
 
 
 def _row(rank: int, c: Candidate, tokens: float) -> str:
     lay = c.layout
-    return (f"{rank:>3} {lay.tp:>3} {lay.pp:>3} {_cp(lay):>6} {lay.dp:>3} {lay.micro_batch:>3} {lay.num_microbatches:>5} "
+    return (f"{rank:>3} {lay.tp:>3} {lay.pp:>3} {_cp(lay):>9} {lay.dp:>3} {lay.micro_batch:>3} {lay.num_microbatches:>5} "
             f"{lay.chunks:>2} {lay.schedule:<17} {lay.recompute:<9} {lay.zero:<5} "
             f"{c.step_time:>9.3f} {100 * c.bubble_ratio:>7.2f} {c.memory_per_gpu / 1e9:>8.1f} {tokens / c.step_time:>12.0f}")
 
@@ -19,7 +23,7 @@ def _row(rank: int, c: Candidate, tokens: float) -> str:
 def format_plan(result: Plan, top: int = 10) -> str:
     """The table of the `top` candidates, then the reasons the first beats the others."""
     tokens = result.training.global_batch * result.training.seq_len
-    header = (f"{'#':>3} {'tp':>3} {'pp':>3} {'cp':>6} {'dp':>3} {'b':>3} {'m':>5} {'v':>2} {'schedule':<17} "
+    header = (f"{'#':>3} {'tp':>3} {'pp':>3} {'cp':>9} {'dp':>3} {'b':>3} {'m':>5} {'v':>2} {'schedule':<17} "
               f"{'recompute':<9} {'zero':<5} {'step (s)':>9} {'bubble%':>7} {'mem (GB)':>8} {'tokens/s':>12}")
     lines = [f"{result.model.name}: {result.model.num_parameters / 1e9:.2f}B parameters on {result.cluster.num_gpus} GPUs "
              f"({result.cluster.gpu_memory / 1e9:.0f} GB, {result.cluster.gpus_per_node} per node), global batch "

@@ -307,21 +307,22 @@ def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
 def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, schedule: str = "zb-h1",
              n_microbatches: int = 2, packed: bool = False, mode: str = "ring", layout: str = "zigzag",
              seq_len: int = SEQ, recompute: Optional[str] = None, sequence_parallel: bool = False, zero: int = 0,
-             plan=None, config: Optional[dict] = None, **extra) -> str:
+             plan=None, config: Optional[dict] = None, all_to_all_size: Optional[int] = None, **extra) -> str:
     """cp (x tp x pp x dp) ranks, each cp group given its data-parallel replica's rows of the
     batch: the context-parallel model's loss (and, at pp=1, its logits, gathered over cp) equal
     the unwrapped model's on those rows, and after one SGD step through DistributedOptimizer
     (gradients summed over cp, averaged over dp) so do its gradients and values (the unwrapped
     model's from the mean of the replicas' losses). ``plan``: parallelize's; ``ep``: experts split
     over ep of the dp x cp ranks; ``config``: the tiny model's config values whose names this
-    function takes itself (xLSTM's ``mode``), besides ``extra``'s."""
+    function takes itself (xLSTM's ``mode``), besides ``extra``'s; ``all_to_all_size``: mode
+    all-to-all+ring's (parallelize's ``cp_all_to_all_size``)."""
     with precision(extra.get("dtype", torch.float64)):
         return _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len,
-                         recompute, sequence_parallel, zero, plan, config or {}, **extra)
+                         recompute, sequence_parallel, zero, plan, config or {}, all_to_all_size, **extra)
 
 
 def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
-              sequence_parallel, zero, plan, config, **extra) -> str:
+              sequence_parallel, zero, plan, config, all_to_all_size, **extra) -> str:
     from torchpp.context_parallel import unshard_sequence
     from torchpp.parallel import DistributedOptimizer
 
@@ -347,12 +348,14 @@ def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, 
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     _sgd(reference.parameters())
     wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state, cp_mode=mode,
-                          cp_layout=layout, recompute=recompute, sequence_parallel=sequence_parallel, plan=plan)
+                          cp_layout=layout, recompute=recompute, sequence_parallel=sequence_parallel, plan=plan,
+                          cp_all_to_all_size=all_to_all_size)
     wrapped.loss_function = exact_causal_lm_loss
     # ZeRO-3 gathers before each module's forward: it takes the model itself.
     optimizer = DistributedOptimizer(wrapped if zero == 3 else wrapped.named_parameters(), torch.optim.SGD, state,
                                      lr=LR, accumulations_per_step=n_microbatches if zero >= 2 else 0, zero=zero)
-    what = f"{model_type} cp={cp} tp={tp} pp={pp} dp={dp} ep={ep}{' ' + schedule if pp > 1 else ''} {mode} {layout}" + \
+    mode_name = mode if all_to_all_size is None else f"{mode} (all-to-all groups of {all_to_all_size})"
+    what = f"{model_type} cp={cp} tp={tp} pp={pp} dp={dp} ep={ep}{' ' + schedule if pp > 1 else ''} {mode_name} {layout}" + \
         (" packed" if packed else "")
     if pp == 1:
         out = wrapped(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)

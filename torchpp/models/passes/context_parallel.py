@@ -15,7 +15,8 @@ def apply_cp(model: nn.Module, state: WrapState, options: ContextOptions) -> nn.
     Args:
         model: a transformers causal LM (``apply_plans`` refuses anything else at cp > 1).
         state: reads parallel; fills context.
-        options: mode ("ring" or "all-gather") and layout ("zigzag" or "contiguous").
+        options: mode (``torchpp.context_parallel.MODES``; "all-to-all+ring" makes its groups here,
+            collectively), layout ("zigzag" or "contiguous").
     """
     ps = state.parallel
     if ps.cp == 1:
@@ -26,7 +27,13 @@ def apply_cp(model: nn.Module, state: WrapState, options: ContextOptions) -> nn.
     if state.cp_positions is None:
         raise RuntimeError("torchpp.parallelize: cp > 1 reached the context-parallel pass unchecked")
     # (apply_plans checked the whole model, before the pipeline cut, and decided its positions.)
-    state.context = ContextParallel(ps.cp_group, options.mode, options.layout, model_positions=state.cp_positions)
+    hierarchical = None
+    if options.mode == "all-to-all+ring":
+        from torchpp.context_parallel.hierarchical import hierarchical_groups
+
+        hierarchical = hierarchical_groups(options.all_to_all_size, ps.cp_group)
+    state.context = ContextParallel(ps.cp_group, options.mode, options.layout, model_positions=state.cp_positions,
+                                    hierarchical=hierarchical)
     apply_context_parallel(model, state.context, recompute_core=False,
                            layers=state.layout.layers if state.layout is not None else None)
     if state.layout is not None and own_attention_modules(model):  # every stage holds such layers, or none does

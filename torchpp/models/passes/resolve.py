@@ -78,10 +78,15 @@ def apply_plans(model: nn.Module, state: WrapState, config: ParallelConfig) -> n
         from torchpp.context_parallel.hf_support import check_model
 
         state.cp_positions = check_model(model, ps.cp, state.layout.layers if state.layout is not None else None)
-        if config.context.mode == "all-to-all":
+        if config.context.mode in ("all-to-all", "all-to-all+ring"):
             from torchpp.context_parallel.hf_support import check_all_to_all_heads
+            from torchpp.context_parallel.hierarchical import check_all_to_all_size
 
-            check_all_to_all_heads(model, ps.tp, ps.cp)
+            hierarchical = config.context.mode == "all-to-all+ring"
+            if hierarchical:
+                check_all_to_all_size(config.context.all_to_all_size, ps.cp)
+            check_all_to_all_heads(model, ps.tp, config.context.all_to_all_size if hierarchical else ps.cp,
+                                   config.context.mode)
     state.tp_context = tp_context(model, ps, config.tensor.sequence_parallel, split_bw=ps.pp > 1)
     if ps.ep > 1 or config.experts.capacity_factor is not None:  # bad ep plans raise before anything changes
         from torchpp.expert_parallel.plan import expert_plans
