@@ -10,14 +10,15 @@ memory  bytes autograd keeps for backward per rank (torchpp.plan.SavedActivation
         allocator statistics) for sequence lengths 1k-4k at cp = 1, 2, 4 (cp=1: the unwrapped
         model on one rank), and their ratio to cp=1: it should fall as ~1/c.
 time    one forward + backward at a long sequence, cp = world size: ring vs all-gather vs
-        all-to-all attention, and the unwrapped model on one rank (the peer: plain transformers). Then the
+        all-to-all attention (and at 4+ ranks all-to-all inside pairs of ranks with the ring across
+        them), and the unwrapped model on one rank (the peer: plain transformers). Then the
         share of the ring's key/value transfers hidden behind the attention blocks, from a
         torch.profiler trace of the ring op's own spans (torchpp::ring_attention::wait is
         the exposed transfer) against the same exchange timed alone (no compute beside it).
         The trace is written to runs/bench_cp/ (Chrome trace JSON).
 peak    the attention op alone (torchpp.context_parallel.attention), one forward + backward at
         cp = 2 and cp = world: the most bytes live at once beyond its inputs, per rank (the
-        largest rank), ring vs all-gather vs all-to-all, against SDPA on the whole sequence in one process
+        largest rank), ring vs all-gather vs all-to-all (vs all-to-all+ring at cp = world), against SDPA on the whole sequence in one process
         (the peer), in MB and in units of one rank's key/value shard; from torch.profiler's
         memory timeline (CPU allocations: every tensor the ops make, transfer buffers included).
 sparse  DeepSeek-V3.2 (sparse indexed attention: an indexer keeps each query's top k keys) and
@@ -98,8 +99,11 @@ def time_part(args, world: int) -> None:
     ids, labels = batch(args.long_seq)
     variants = {"ring": parallelize(make_model(args), state=state, cp_mode="ring"),
                 "all-gather": parallelize(make_model(args), state=state, cp_mode="all-gather"),
-                "all-to-all": parallelize(make_model(args), state=state, cp_mode="all-to-all"),
-                "unwrapped": make_model(args)}
+                "all-to-all": parallelize(make_model(args), state=state, cp_mode="all-to-all")}
+    if world > 2 and world % 2 == 0:  # all-to-all inside pairs of ranks, the ring across the pairs
+        variants["a2a+ring"] = parallelize(make_model(args), state=state, cp_mode="all-to-all+ring",
+                                           cp_all_to_all_size=2)
+    variants["unwrapped"] = make_model(args)
 
     def step(name):
         model = variants[name]
@@ -120,24 +124,40 @@ def time_part(args, world: int) -> None:
               f"all-to-all / ring: {med['all-to-all'] / med['ring']:.3f}   "
               f"ring / unwrapped: {med['ring'] / med['unwrapped']:.3f}   "
               f"all-to-all / unwrapped: {med['all-to-all'] / med['unwrapped']:.3f}")
+        if "a2a+ring" in med:
+            print(f"  a2a+ring / ring: {med['a2a+ring'] / med['ring']:.3f}   "
+                  f"a2a+ring / all-to-all: {med['a2a+ring'] / med['all-to-all']:.3f}")
     hidden_share(args, variants["ring"], ids, labels, world)
 
 
 def peak_beyond_inputs(run) -> int:
-    """The most CPU bytes live at once during run() beyond those live when it starts."""
+    """The most CPU bytes live at once during run() beyond those live when it starts: from the
+    memory profiler's timeline, or where its data-flow check rejects the trace (an address freed
+    by gloo's thread and reused within one op reads as a duplicate output) from the allocation
+    events themselves, summed in time order (no second run: the others ranks' collectives would
+    not wait for it)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline  # private: the timeline behind profile's memory plot
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         run()
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    try:
+        _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    except AssertionError:
+        changes = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.name == "[memory]")
+        live = peak = 0
+        for _, change in changes:
+            live += change
+            peak = max(peak, live)
+        return peak
     live = [sum(categories) for categories in sizes]
     return max(live) - live[0]
 
 
 def attention_peak(args, mode: str, group, cp: int) -> int:
     """Peak bytes beyond the inputs of one forward + backward of the CP attention on `group`,
-    global ranks 0..cp-1 (the others return 0); mode "sdpa": the unwrapped attention, cp=1."""
+    global ranks 0..cp-1 (the others return 0); mode "sdpa": the unwrapped attention, cp=1;
+    "all-to-all+ring": `group` is its pair of groups."""
     if dist.get_rank() >= cp:
         return 0
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -166,17 +186,20 @@ def peak_part(args, world: int) -> None:
     for cp in sorted({2, world}):
         group = dist.new_group(list(range(cp)))
         rows[cp] = {mode: attention_peak(args, mode, group, cp) for mode in ("ring", "all-gather", "all-to-all")}
+        if cp == world and cp > 2 and cp % 2 == 0:  # (its groups are made by every rank: cp = world alone)
+            pair = context_parallel.hierarchical_groups(2, group)
+            rows[cp]["all-to-all+ring"] = attention_peak(args, "all-to-all+ring", pair, cp)
     everyone = all_gather_objects(rows)
     if rank != 0:
         return
     print(f"attention alone, forward + backward, seq {args.long_seq}, {args.heads} heads of {head_dim}, fp32, batch 1: "
           "peak bytes beyond the inputs (largest rank)")
-    print(f"{'cp':>3} {'variant':>11} {'MB':>9} {'/ K+V shard':>12}")
+    print(f"{'cp':>3} {'variant':>15} {'MB':>9} {'/ K+V shard':>12}")
     for cp, modes in rows.items():
         kv_shard = 2 * args.heads * (args.long_seq // cp) * head_dim * 4  # one rank's K and V, fp32
         for mode in modes:
             peak = max(r[cp][mode] for r in everyone)
-            print(f"{cp:>3} {mode:>11} {peak / 1e6:9.2f} {peak / kv_shard:12.2f}")
+            print(f"{cp:>3} {mode:>15} {peak / 1e6:9.2f} {peak / kv_shard:12.2f}")
 
 
 def window_part(args, world: int) -> None:

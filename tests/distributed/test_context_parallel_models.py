@@ -131,7 +131,7 @@ def check_all_to_all_at(dims: str):
     if dims == "cp4":  # one of the 4 heads per rank; Mistral's 2 key/value heads repeated; hierarchical 2 x 2
         return [check_cp("llama", cp=4, packed=True, mode="all-to-all"),
                 check_cp("mistral", cp=4, sliding_window=5, mode="all-to-all", layout="contiguous"),
-                check_cp("qwen2", cp=4, packed=True, mode="all-to-all+ring", all_to_all_size=2)]
+                check_cp("qwen2", cp=4, packed=True, mode="all-to-all+ring", all_to_all_size=2, recompute="selective")]
     if dims == "cp2xtp2":  # a tp rank's 2 heads over the cp ranks
         return [check_cp("llama", tp=2, mode="all-to-all")]
     return [check_cp("mistral", pp=2, mode="all-to-all", packed=True)]

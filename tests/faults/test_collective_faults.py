@@ -49,6 +49,7 @@ UNKNOWN_GROUP_CALLS = {
     "ring_attention": ((*_QKV, None), (2,)),
     "all_gather_attention": ((*_QKV, None), (2,)),
     "all_to_all_attention": ((*_QKV, None), (2,)),
+    "all_to_all_ring_attention": ((*_QKV, None), (2, UNKNOWN, 1)),  # (the all-to-all group's name is checked first)
     "ring_attention_forward": ((*_QKV, None), (2, True, None, "zigzag")),
     "all_gather_attention_forward": ((*_QKV, None), (2, True, None, "zigzag")),
     "ring_attention_backward": ((_QKV[0], *_QKV, _QKV[0], torch.zeros(1, 2, 4), None), (2, True, None, "zigzag")),
