@@ -25,12 +25,12 @@ def fake_state(**sizes):
 
 def test_config_takes_every_old_keyword():
     values = {keyword: object() for keyword in KEYWORDS}
-    values.update(recompute="full", zero=2)
+    values.update(recompute="full", zero=2, cp_mode="all-to-all+ring")  # (checked values; its group size any)
     config = ParallelConfig.from_keywords(**values)
     for keyword, (group, name) in KEYWORDS.items():
         holder = getattr(config, group) if group else config
-        assert getattr(holder, name) is values[keyword] or keyword in ("recompute", "zero"), keyword
-    assert config.recompute == "full" and config.zero == 2
+        assert getattr(holder, name) is values[keyword] or keyword in ("recompute", "zero", "cp_mode"), keyword
+    assert config.recompute == "full" and config.zero == 2 and config.context.mode == "all-to-all+ring"
 
 
 def test_config_keywords_override_a_config_without_changing_it():
