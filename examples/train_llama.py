@@ -231,7 +231,9 @@ def main():
         peak = torch.stack(peaks).median()
     timer = StepTimer(args.batch * args.seq, flops_per_token, peak.item() * 1e12 * dist.get_world_size())
     log = MetricsLog(os.path.join(args.out, "metrics.jsonl"), args.tensorboard, start) if rank == 0 else None
-    say(f"world={dist.get_world_size()} tp={state.tp} pp={state.pp} cp={state.cp} dp={state.dp} "
+    cp_how = "" if state.cp == 1 else f" ({args.cp_mode}" + (
+        f", all-to-all groups of {args.cp_all_to_all_size})" if args.cp_all_to_all_size else ")")
+    say(f"world={dist.get_world_size()} tp={state.tp} pp={state.pp} cp={state.cp}{cp_how} dp={state.dp} "
         f"schedule={args.schedule} microbatches={args.microbatches} zero={args.zero} recompute={args.recompute} "
         f"bf16={args.bf16} fp16={args.fp16} post_validate={args.post_validate} "
         f"params/rank={sum(p.numel() for p in model.parameters())} model TFLOP/token={flops_per_token / 1e12:.2e} "
