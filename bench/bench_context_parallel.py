@@ -18,7 +18,8 @@ time    one forward + backward at a long sequence, cp = world size: ring vs all-
         The trace is written to runs/bench_cp/ (Chrome trace JSON).
 peak    the attention op alone (torchpp.context_parallel.attention), one forward + backward at
         cp = 2 and cp = world: the most bytes live at once beyond its inputs, per rank (the
-        largest rank), ring vs all-gather vs all-to-all (vs all-to-all+ring at cp = world), against SDPA on the whole sequence in one process
+        largest rank), ring vs all-gather vs all-to-all (vs all-to-all+ring at cp = world), against
+        SDPA on the whole sequence in one process
         (the peer), in MB and in units of one rank's key/value shard; from torch.profiler's
         memory timeline (CPU allocations: every tensor the ops make, transfer buffers included).
 sparse  DeepSeek-V3.2 (sparse indexed attention: an indexer keeps each query's top k keys) and

@@ -212,6 +212,8 @@ def check_errors():
         attention(q, q, q, group, mode="all-to-all+ring")
     with pytest.raises(ValueError, match=rf"size must divide {c}, got all_to_all_size=3"):
         hierarchical_groups(3, group)
+    with pytest.raises(ValueError, match=r"groups of different sizes \['1', '2'\]; every rank must pass the same"):
+        hierarchical_groups(1 + dist.get_rank() % 2, group)  # (raised on every rank: none waits for a group)
     with pytest.raises(RuntimeError, match="query heads 3 must be a multiple of key/value heads 2"):
         attention(torch.zeros(1, 3, 4, 4), torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), group)
     with pytest.raises(RuntimeError, match=r"segment_ids must be \[batch, s_local\] = \[1, 4\]"):

@@ -1,6 +1,7 @@
 """Model-level parallelism on the GPU over NCCL, float32 against the unwrapped model in one
 process on the same GPU (torchpp.testing checks, rtol 1e-5): context parallelism at cp=2 (ring,
-all-gather, all-to-all and all-to-all+ring attention, both layouts; sparse indexed and compressed attention), expert parallelism at ep=2 (Mixtral), ZeRO-3 at dp=2,
+all-gather, all-to-all and all-to-all+ring attention, both layouts; sparse indexed and compressed
+attention), expert parallelism at ep=2 (Mixtral), ZeRO-3 at dp=2,
 a DCP checkpoint saved at tp=2 that reloads at tp=1 x dp=2 and continues the same run, and
 destroy_parallel freeing NCCL layouts."""
 import torch

@@ -234,8 +234,8 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     segments = _segment_ids(cp, position_ids, query.size(2))
     if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)
-    out = attention(query, key, value, cp.attention_group, causal=causal, scale=scaling, mode=cp.mode, layout=cp.layout,
-                    segment_ids=segments, window=sliding_window, sinks=s_aux, softcap=softcap,
+    out = attention(query, key, value, cp.attention_group, causal=causal, scale=scaling, mode=cp.mode,
+                    layout=cp.layout, segment_ids=segments, window=sliding_window, sinks=s_aux, softcap=softcap,
                     alibi_slopes=alibi_slopes)
     return out.transpose(1, 2).contiguous(), None
 

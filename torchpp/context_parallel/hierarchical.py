@@ -39,12 +39,13 @@ def hierarchical_groups(all_to_all_size: int, group: GroupLike = None) -> Tuple[
         ValueError: when ``all_to_all_size`` does not divide the group's size.
     """
     group = group_of(group)
-    size = group.size()
-    check_all_to_all_size(all_to_all_size, size)
+    # (gathered before any check: a size one rank got wrong raises on every rank, none waits)
     every = all_gather_objects((tuple(dist.get_process_group_ranks(group)), all_to_all_size))
-    if len({a for _, a in every}) > 1:
+    sizes = {repr(a) for _, a in every}
+    if len(sizes) > 1:
         raise ValueError(f"torchpp context parallelism: ranks asked for all-to-all groups of different sizes "
-                         f"{sorted({a for _, a in every})}; every rank must pass the same all_to_all_size")
+                         f"{sorted(sizes)}; every rank must pass the same all_to_all_size")
+    check_all_to_all_size(all_to_all_size, group.size())
     cp_groups = list(dict.fromkeys(ranks for ranks, _ in every))  # each once, in the same order on every rank
     mine = tuple(dist.get_process_group_ranks(group))
     a = all_to_all_size

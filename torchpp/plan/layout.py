@@ -118,7 +118,8 @@ class Plan:
 
 
 def describe(layout: Layout) -> str:
-    modes = {"ring": "", "all-to-all": " all-to-all", "all-to-all+ring": f" all-to-all({layout.cp_all_to_all_size})+ring"}
+    modes = {"ring": "", "all-to-all": " all-to-all",
+             "all-to-all+ring": f" all-to-all({layout.cp_all_to_all_size})+ring"}
     cp = f" cp={layout.cp}{modes[layout.cp_mode]}" if layout.cp > 1 else ""
     return (f"tp={layout.tp} pp={layout.pp}{cp} dp={layout.dp} "
             f"b={layout.micro_batch} {layout.schedule}"
