@@ -26,6 +26,9 @@ namespace torchpp::cp {
 
 enum class Layout { Contiguous, Zigzag };
 
+// An optional tensor argument that was given (and is defined).
+inline bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
 Layout parse_layout(c10::string_view layout, const char* op_name);
 
 // Global chunk indices held by `rank` of `world`, in shard order (1 or 2 chunks).

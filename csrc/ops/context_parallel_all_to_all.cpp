@@ -27,8 +27,6 @@ constexpr const char* kOp = "all_to_all_attention";
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
 // What forward and backward derive alike from a call.
 struct Call {
   c10::intrusive_ptr<c10d::ProcessGroup> group;

@@ -27,8 +27,6 @@ constexpr const char* kOp = "all_to_all_ring_attention";
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
 // One direction of the heads-for-sequence exchange over a group; its gradient takes the other.
 // Every rank of the group must join the backward's exchange, even one whose output got no gradient.
 template <bool kToSequence>

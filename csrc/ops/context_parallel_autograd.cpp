@@ -51,8 +51,6 @@ c10::TypedOperatorHandle<BackwardSignature> backward_op() {
   return op;
 }
 
-bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
 template <class Mode>
 struct Attention : public torch::autograd::Function<Attention<Mode>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
