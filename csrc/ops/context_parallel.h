@@ -166,15 +166,20 @@ c10::intrusive_ptr<c10d::ProcessGroup> cp_group(const at::Tensor& like, const st
 // Every rank's `local` stacked rank-major: [c, *local.shape].
 at::Tensor all_gather_stacked(c10d::ProcessGroup& group, const at::Tensor& local);
 
-// Heads traded for the sequence over `group` (c ranks; context_parallel_head_exchange.cpp).
-// heads_to_sequence: [b, H, s_local, ...], this rank's shard of every head -> [b, H / c, c * s_local,
-// ...], this rank's heads over the group's chunks in sequence order; sequence_to_heads, the inverse.
-// Over a whole cp group that is the whole sequence; over an inner group of a consecutive ranks of
-// c = a * c' (all-to-all inside, ring across), inner group o's chunks form super-chunk o (and
-// 2c'-1-o under zigzag) of 2c' (c'): the shard the same layout gives ring rank o of c'.
-at::Tensor heads_to_sequence(c10d::ProcessGroup& group, const at::Tensor& x, Layout layout);
-at::Tensor sequence_to_heads(c10d::ProcessGroup& group, const at::Tensor& y, Layout layout);
-// Every rank's shard of `x` [c, b, ..., s_local (dim seq_dim + 1), ...] (rank-major) in sequence order.
-at::Tensor in_sequence_order(const at::Tensor& rank_major, Layout layout, int64_t seq_dim);
+// Heads traded for the sequence over the group named `group_name` (c ranks), through the ops
+// torch.ops.torchpp.heads_to_sequence / sequence_to_heads (context_parallel_head_exchange.cpp: each
+// the other's gradient; one node each in a trace). heads_to_sequence: [b, H, s_local, ...], this
+// rank's shard of every head -> [b, H / c, c * s_local, ...], this rank's heads over the group's
+// chunks in sequence order; sequence_to_heads, the inverse. Over a whole cp group that is the whole
+// sequence; over an inner group of a consecutive ranks of c = a * c' (all-to-all inside, ring
+// across), inner group o's chunks form super-chunk o (and 2c'-1-o under zigzag) of 2c' (c'): the
+// shard the same layout gives ring rank o of c'.
+at::Tensor heads_to_sequence(const at::Tensor& x, c10::string_view group_name, int64_t group_size,
+                             c10::string_view layout);
+at::Tensor sequence_to_heads(const at::Tensor& y, c10::string_view group_name, int64_t group_size,
+                             c10::string_view layout);
+// Every rank's segment ids [b, s_local] of the group, in sequence order: [b, c * s_local].
+at::Tensor segments_in_sequence_order(const at::Tensor& segment_ids, c10::string_view group_name,
+                                      int64_t group_size, c10::string_view layout);
 
 }  // namespace torchpp::cp

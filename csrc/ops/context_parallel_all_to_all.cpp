@@ -7,6 +7,7 @@
 // c - 1 key/value shards. The heads must divide by c; key/value heads c does not divide are
 // repeated first (each query head keeps its own). The exchanged tensors are saved for backward.
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -29,8 +30,8 @@ using torch::autograd::variable_list;
 
 // What forward and backward derive alike from a call.
 struct Call {
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
-  Layout layout;
+  std::string group_name, layout_name;  // (the exchange ops take the group by name)
+  int64_t group_size = 0;
   int64_t q_heads = 0, first_head = 0, local_heads = 0;  // this rank's heads: [first, first + local)
   int64_t kv_repeats = 1;  // key/value heads repeated so that c divides them
   int64_t chunk_len = 0;   // the caller's chunk of the sequence
@@ -41,16 +42,17 @@ Call make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                bool causal, std::optional<double> scale, c10::string_view layout_name, int64_t window,
                double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   Call call;
-  call.layout = parse_layout(layout_name, kOp);
-  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, call.layout, group_size, causal, window, softcap,
-                                     alibi_slopes, kOp);
+  const Shapes shapes = check_inputs(q, k, v, segment_ids, scale, parse_layout(layout_name, kOp), group_size, causal,
+                                     window, softcap, alibi_slopes, kOp);
   TORCH_CHECK(shapes.q_heads % group_size == 0, "torchpp.", kOp, ": each rank attends with 1/c of the query heads "
               "over the whole sequence, so the group size must divide them, but ", shapes.q_heads,
               " query heads do not divide over ", group_size, " ranks; use mode 'ring' or 'all-gather'");
-  call.group = cp_group(q, std::string(group_name), group_size, kOp);
+  call.group_name = std::string(group_name);
+  call.layout_name = std::string(layout_name);
+  call.group_size = group_size;
   call.q_heads = shapes.q_heads;
   call.local_heads = shapes.q_heads / group_size;
-  call.first_head = call.group->getRank() * call.local_heads;
+  call.first_head = cp_group(q, call.group_name, group_size, kOp)->getRank() * call.local_heads;
   // (c divides hq = hk * g; with r = c / gcd(hk, c), r divides g: each query head still reads one repeat)
   call.kv_repeats = group_size / std::gcd(shapes.kv_heads, group_size);
   call.chunk_len = shapes.piece_len;
@@ -86,13 +88,15 @@ Exchanged exchange_inputs(const Call& call, const at::Tensor& q, const at::Tenso
   if (has(sinks)) {
     check_sinks(q, *sinks, kOp);  // (before any exchange: a bad call raises on every rank alike)
   }
-  auto& group = *call.group;
+  auto to_sequence = [&](const at::Tensor& t) {
+    return heads_to_sequence(t, call.group_name, call.group_size, call.layout_name);
+  };
   Exchanged x;
-  x.q = heads_to_sequence(group, q, call.layout);
-  x.k = heads_to_sequence(group, call.kv_repeats > 1 ? k.repeat_interleave(call.kv_repeats, 1) : k, call.layout);
-  x.v = heads_to_sequence(group, call.kv_repeats > 1 ? v.repeat_interleave(call.kv_repeats, 1) : v, call.layout);
+  x.q = to_sequence(q);
+  x.k = to_sequence(call.kv_repeats > 1 ? k.repeat_interleave(call.kv_repeats, 1) : k);
+  x.v = to_sequence(call.kv_repeats > 1 ? v.repeat_interleave(call.kv_repeats, 1) : v);
   if (has(segment_ids)) {
-    x.segments = in_sequence_order(all_gather_stacked(group, segment_ids->to(at::kLong)), call.layout, 1);
+    x.segments = segments_in_sequence_order(*segment_ids, call.group_name, call.group_size, call.layout_name);
   }
   if (has(sinks)) {
     x.sinks = sinks->narrow(0, call.first_head, call.local_heads);
@@ -201,26 +205,26 @@ struct AllToAllAttention : public torch::autograd::Function<AllToAllAttention> {
     ctx->saved_data["first_head"] = call.first_head;
     ctx->saved_data["kv_repeats"] = call.kv_repeats;
     ctx->saved_data["chunk_len"] = call.chunk_len;
-    return sequence_to_heads(*call.group, out, call.layout);
+    return sequence_to_heads(out, call.group_name, call.group_size, call.layout_name);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     const auto& data = ctx->saved_data;
-    const auto layout = parse_layout(data.at("layout").toStringRef(), kOp);
+    const auto& group_name = data.at("group_name").toStringRef();
+    const auto& layout = data.at("layout").toStringRef();
+    const int64_t c = data.at("group_size").toInt();
     const bool causal = data.at("causal").toBool();
     const std::optional<double> scale = saved_scale(data);
     Exchanged x{saved[0], saved[1], saved[2], saved[5], saved[6], saved[7], Shapes{}};
     x.shapes = local_shapes(x, scale, causal, data.at("window").toInt(), data.at("softcap").toDouble(),
                             data.at("chunk_len").toInt());
-    auto group = cp_group(x.q, data.at("group_name").toStringRef(), data.at("group_size").toInt(), kOp);
     // Every rank of the group must take part in the exchange, even one whose output got no gradient.
     const auto& out = saved[3];
-    const int64_t c = data.at("group_size").toInt();
     auto given = grads[0].defined() ? grads[0]
                                     : at::zeros({out.size(0), out.size(1) * c, out.size(2) / c, out.size(3)},
                                                 out.options());
-    auto grad_out = heads_to_sequence(*group, given, layout);
+    auto grad_out = heads_to_sequence(given, group_name, c, layout);
     auto [dq, dk, dv] = attend_backward(x, grad_out, out, saved[4], causal);
     at::Tensor dsinks;
     if (x.sinks.defined()) {
@@ -229,9 +233,8 @@ struct AllToAllAttention : public torch::autograd::Function<AllToAllAttention> {
                                                                                            x.sinks));
     }
     const int64_t repeats = data.at("kv_repeats").toInt();
-    return {sequence_to_heads(*group, dq, layout),
-            unrepeated(sequence_to_heads(*group, dk, layout), repeats),
-            unrepeated(sequence_to_heads(*group, dv, layout), repeats),
+    auto to_heads = [&](const at::Tensor& t) { return sequence_to_heads(t, group_name, c, layout); };
+    return {to_heads(dq), unrepeated(to_heads(dk), repeats), unrepeated(to_heads(dv), repeats),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), dsinks,
             at::Tensor(), at::Tensor()};
   }
@@ -256,7 +259,7 @@ at::Tensor all_to_all_attention_no_grad(const at::Tensor& q, const at::Tensor& k
                                         const std::optional<at::Tensor>& alibi_slopes) {
   const auto [call, x] = prepare(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, sinks,
                                  softcap, alibi_slopes);
-  return sequence_to_heads(*call.group, attend(x, causal).first, call.layout);
+  return sequence_to_heads(attend(x, causal).first, call.group_name, call.group_size, call.layout_name);
 }
 
 at::Tensor all_to_all_attention_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&,

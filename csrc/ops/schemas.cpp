@@ -57,6 +57,11 @@ TORCH_LIBRARY_FRAGMENT(torchpp, m) {
         "str all_to_all_group_name, int all_to_all_size, str ring_group_name, int ring_size, bool causal=True, "
         "float? scale=None, str layout=\"zigzag\", int window=0, Tensor? sinks=None, float softcap=0., "
         "Tensor? alibi_slopes=None) -> Tensor");
+  // The all-to-all modes' exchange over a group of c ranks, each the other's gradient: [b, H, s_local, ...],
+  // this rank's shard of every head -> [b, H / c, c * s_local, ...], this rank's 1/c of the heads over the
+  // group's chunks in sequence order (by layout), and back.
+  m.def("heads_to_sequence(Tensor x, str group_name, int group_size, str layout=\"zigzag\") -> Tensor");
+  m.def("sequence_to_heads(Tensor x, str group_name, int group_size, str layout=\"zigzag\") -> Tensor");
   // Ring's and all-gather's halves (without sinks): the output and log-sum-exp [b, hq, s_local] (float for 16-bit inputs) ...
   m.def("ring_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? segment_ids, str group_name, "
         "int group_size, bool causal, float? scale, str layout, int window=0, float softcap=0., "

@@ -7,7 +7,8 @@ attention and packed sequences, sliding windows, attention sinks and capped scor
 softmax written out, the sinks' gradient summed over the ranks); bad lengths, layouts and modes
 raise naming the values. Blocks run on the CPU flash kernel (which returns the log-sum-exp) except
 where a mask it cannot take applies (packed sequences) or scores are capped: matmul + softmax;
-TORCHPP_CP_KERNEL=matmul forces that path."""
+TORCHPP_CP_KERNEL=matmul forces that path. Every mode under torch.compile (fullgraph, aot_eager) at cp=2
+and cp=4; the heads-for-sequence exchange ops (heads_to_sequence / sequence_to_heads) on their own."""
 import itertools
 import os
 
@@ -103,9 +104,10 @@ RELATIVE_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.device("cpu"), dtype=torch.float64,
-                window=None, sinks=False, softcap=None, alibi=False, value_dim=HEAD_DIM):
+                window=None, sinks=False, softcap=None, alibi=False, value_dim=HEAD_DIM, compiled=False):
     """The sharded attention on `device` in `dtype` against full-sequence attention in float64 (on
-    the same inputs, rounded to `dtype`); with `sinks`, their gradient summed over the ranks."""
+    the same inputs, rounded to `dtype`); with `sinks`, their gradient summed over the ranks;
+    `compiled`: the call torch.compile'd whole (fullgraph, aot_eager: autograd traced ahead)."""
     group = dist.group.WORLD
     q, k, v, grad = (t.to(dtype).double() for t in _inputs(seq_len, kv_heads, value_dim))
     segments = _segments(seq_len) if packed else None
@@ -122,7 +124,10 @@ def _check_case(seq_len, kv_heads, mode, layout, causal, packed, device=torch.de
         local_sinks = sink_logits.to(device, dtype).requires_grad_()
         inputs += (local_sinks,)
     local_segments = shard_sequence(segments, group, dim=1, layout=layout).to(device) if packed else None
-    out = attention(ql, kl, vl, _group_of(mode, group), causal=causal, mode=mode, layout=layout,
+    if compiled:
+        torch._dynamo.reset()  # (a fresh trace per case: no cache limit falls back to eager)
+    attend = torch.compile(attention, backend="aot_eager", fullgraph=True) if compiled else attention
+    out = attend(ql, kl, vl, _group_of(mode, group), causal=causal, mode=mode, layout=layout,
                     segment_ids=local_segments,
                     window=window, sinks=local_sinks, softcap=softcap,
                     alibi_slopes=None if slopes is None else slopes.to(device, dtype))
@@ -190,6 +195,42 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
     return True
 
 
+def check_compiled_cases(seq_len):
+    """Each mode under torch.compile: causal and full, both layouts, packed rows with a window and sinks."""
+    for mode in MODES:
+        _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=True, packed=False, compiled=True)
+        _check_case(seq_len, kv_heads=2, mode=mode, layout="contiguous", causal=False, packed=False, compiled=True)
+        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, window=3, sinks=True,
+                    compiled=True)
+    return True
+
+
+def check_head_exchange():
+    """heads_to_sequence hands rank r heads [r H/c, (r+1) H/c) of the whole sequence, sequence_to_heads
+    hands them back, and each one's gradient is the other; bad sizes raise naming them."""
+    group = dist.group.WORLD
+    c, r = group.size(), group.rank()
+    whole = torch.randn(2, 2 * c, 4 * c, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    heads = slice(r * 2, (r + 1) * 2)
+    for layout in ("zigzag", "contiguous"):
+        shard = shard_sequence(whole, group, dim=2, layout=layout).requires_grad_()
+        mine = torch.ops.torchpp.heads_to_sequence(shard, group.group_name, c, layout)
+        assert torch.equal(mine, whole[:, heads]), layout
+        assert torch.equal(torch.ops.torchpp.sequence_to_heads(mine, group.group_name, c, layout), shard), layout
+        grad = torch.randn_like(mine)
+        placed = torch.zeros_like(whole)
+        placed[:, heads] = grad
+        dist.all_reduce(placed, group=group)  # (each rank's heads' gradient lands on every rank's shard)
+        expected = shard_sequence(placed, group, dim=2, layout=layout)
+        assert torch.equal(torch.autograd.grad(mine, shard, grad)[0], expected), layout
+    with pytest.raises(RuntimeError, match=rf"heads_to_sequence: each rank keeps 1/c of the heads, but 3 heads do "
+                                           rf"not divide over c={c} ranks"):
+        torch.ops.torchpp.heads_to_sequence(torch.zeros(1, 3, 4, 2), group.group_name, c)
+    with pytest.raises(RuntimeError, match=rf"sequence_to_heads: the sequence of 6 tokens does not divide into the "
+                                           rf"{2 * c} chunks of c={c} ranks \(layout 'zigzag'\)"):
+        torch.ops.torchpp.sequence_to_heads(torch.zeros(1, 2, 6, 2), group.group_name, c, "zigzag")
+    return True
+
 def check_errors():
     group = dist.group.WORLD
     c = group.size()
@@ -246,6 +287,17 @@ def test_bad_lengths_and_names_raise(ranks):
 def test_attention_equals_full_sequence_sdpa(ranks, cp):
     assert ranks(cp).run(check_all_cases, 4 * cp) == [True] * cp
 
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_compiled_attention_equals_full_sequence_sdpa(ranks, cp):
+    """torch.compile traces every mode whole: the ring's and all-gather's halves and the all-to-all
+    modes' exchanges are ops of their own (tracing into c10d's in-place collectives dropped their
+    writes: the all-to-all returned uninitialised memory)."""
+    assert ranks(cp).run(check_compiled_cases, 4 * cp) == [True] * cp
+
+
+def test_head_exchange_ops(ranks):
+    assert ranks(2).run(check_head_exchange) == [True, True]
 
 def test_one_rank_equals_sdpa_in_its_input_dtype(ranks):
     """cp=1 sends nothing (no key/value message, gradients joined from their pieces) and bf16
@@ -304,3 +356,4 @@ def check_block_kernels():
 
 def test_blocks_run_the_flash_kernel_unless_masked(ranks):
     assert ranks(2).run(check_block_kernels) == [True, True]
+
