@@ -195,7 +195,8 @@ struct AllToAllAttention : public torch::autograd::Function<AllToAllAttention> {
                             int64_t group_size, bool causal, std::optional<double> scale, c10::string_view layout,
                             int64_t window, const std::optional<at::Tensor>& sinks, double softcap,
                             const std::optional<at::Tensor>& alibi_slopes) {
-    at::AutoDispatchBelowADInplaceOrView guard;
+    // (no dispatch-below-autograd guard: apply() has turned grad mode off, and the aten ops within keep
+    // their composite handling, so none hands back its input as a new op's output, which opcheck refuses)
     const auto [call, x] = prepare(q, k, v, segment_ids, group_name, group_size, causal, scale, layout, window, sinks,
                                    softcap, alibi_slopes);
     auto [out, lse] = attend(x, causal);

@@ -58,9 +58,12 @@ struct Attention : public torch::autograd::Function<Attention<Mode>> {
                             int64_t group_size, bool causal, std::optional<double> scale,
                             c10::string_view layout, int64_t window, const std::optional<at::Tensor>& sinks,
                             double softcap, const std::optional<at::Tensor>& alibi_slopes) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale, layout,
-                                              window, softcap, alibi_slopes);
+    at::Tensor out, lse;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;  // (the sinks' fold below stays above it, as backward's code)
+      std::tie(out, lse) = forward_op<Mode>().call(q, k, v, segment_ids, group_name, group_size, causal, scale,
+                                                   layout, window, softcap, alibi_slopes);
+    }
     if (has(sinks)) {
       check_sinks(q, *sinks, Mode::name);
       std::tie(out, lse) = fold_sinks(out, lse, *sinks);

@@ -8,7 +8,8 @@ softmax written out, the sinks' gradient summed over the ranks); bad lengths, la
 raise naming the values. Blocks run on the CPU flash kernel (which returns the log-sum-exp) except
 where a mask it cannot take applies (packed sequences) or scores are capped: matmul + softmax;
 TORCHPP_CP_KERNEL=matmul forces that path. Every mode under torch.compile (fullgraph, aot_eager) at cp=2
-and cp=4; the heads-for-sequence exchange ops (heads_to_sequence / sequence_to_heads) on their own."""
+and cp=4; the heads-for-sequence exchange ops (heads_to_sequence / sequence_to_heads) on their own; torch.library.opcheck
+on every op."""
 import itertools
 import os
 
@@ -231,6 +232,25 @@ def check_head_exchange():
         torch.ops.torchpp.sequence_to_heads(torch.zeros(1, 2, 6, 2), group.group_name, c, "zigzag")
     return True
 
+def check_opcheck():
+    """torch.library.opcheck on every cp op, with and without sinks, and on the exchanges: schemas
+    (no undeclared aliasing or mutation, none handing back its input), fake kernels against the real
+    ones, autograd registration, and AOT dispatch with static and dynamic shapes."""
+    group = dist.group.WORLD
+    name, c = group.group_name, group.size()
+    q, k, v, _ = (shard_sequence(t, group, dim=2).requires_grad_() for t in _inputs(4 * c, kv_heads=2))
+    sinks = torch.linspace(-1.0, 1.0, HEADS, dtype=torch.float64).requires_grad_()
+    inner, ring = _group_of("all-to-all+ring", group)
+    for op, groups in (("ring_attention", (name, c)), ("all_gather_attention", (name, c)),
+                       ("all_to_all_attention", (name, c)),
+                       ("all_to_all_ring_attention", (inner.group_name, inner.size(), ring.group_name, ring.size()))):
+        for extra in ({}, {"sinks": sinks}):
+            torch.library.opcheck(getattr(torch.ops.torchpp, op).default, (q, k, v, None, *groups), extra)
+    torch.library.opcheck(torch.ops.torchpp.heads_to_sequence.default, (q, name, c, "zigzag"))
+    whole = torch.randn(2, 2, 4 * c, 3, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.torchpp.sequence_to_heads.default, (whole, name, c, "contiguous"))
+    return True
+
 def check_errors():
     group = dist.group.WORLD
     c = group.size()
@@ -295,6 +315,9 @@ def test_compiled_attention_equals_full_sequence_sdpa(ranks, cp):
     writes: the all-to-all returned uninitialised memory)."""
     assert ranks(cp).run(check_compiled_cases, 4 * cp) == [True] * cp
 
+
+def test_opcheck(ranks):
+    assert ranks(2).run(check_opcheck) == [True, True]
 
 def test_head_exchange_ops(ranks):
     assert ranks(2).run(check_head_exchange) == [True, True]
