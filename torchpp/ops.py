@@ -112,6 +112,11 @@ def reduce_scatter_to_sp_region(input: torch.Tensor, group: GroupLike = None, di
     return _sized(torch.ops.torchpp.reduce_scatter_to_sp_region, input, group, dim)
 
 
+# The expert ops' output sizes depend on the routing (the data), which fake tensors cannot know:
+# compiled code breaks its graph around them and runs them eagerly.
+_eager_only = torch.compiler.disable
+
+
 class MoeRouting(NamedTuple):
     """Where one rank's routed (token, slot) pairs go (``moe_route``); ``dropped``: pairs over capacity."""
 
@@ -130,6 +135,7 @@ class MoeRouting(NamedTuple):
         return self.recv_counts.sum(0)
 
 
+@_eager_only
 def moe_route(expert_index: torch.Tensor, num_experts: int, group: GroupLike = None,
               capacity_factor: Optional[float] = None) -> MoeRouting:
     """Plans the all-to-all of routed tokens: ``num_experts`` split evenly over ``group`` (rank r
@@ -150,6 +156,7 @@ def moe_route(expert_index: torch.Tensor, num_experts: int, group: GroupLike = N
                       resolved.size())
 
 
+@_eager_only
 def moe_dispatch(hidden: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
     """Rows of ``hidden`` [tokens, h] for every routed pair, on the ranks of their experts:
     [routing.tokens_per_local_expert.sum(), h], one block per local expert."""
@@ -157,6 +164,7 @@ def moe_dispatch(hidden: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
                                           routing.top_k, routing.group_name, routing.group_size)
 
 
+@_eager_only
 def moe_combine(expert_output: torch.Tensor, weights: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
     """The experts' output rows back on their tokens' ranks, weighted by ``weights`` [tokens,
     top_k] (the router's probabilities) and summed per token: [tokens, h]."""

@@ -23,7 +23,8 @@ Models counting their own positions (RoBERTa's from the tokens, BART's decoders 
 read the whole sequence's, at cp=2, cp=4 and cp=2 x pp=2; models computing attention in their
 own code (Falcon, GPT-Neo, Bloom and MPT with ALiBi, MegatronBERT, RemBERT, RoFormer, BigBird's full
 attention, MVP, TrOCR, XLM) have their
-softmax routed to sharded attention. The wrapped forward under torch.compile (aot_eager), ring and all-to-all."""
+softmax routed to sharded attention. The wrapped forward under torch.compile (aot_eager): ring, all-to-all,
+experts split over cp."""
 import pytest
 import torch
 
@@ -122,18 +123,21 @@ def test_cp2_llama_qwen2_modes_layouts_packed(ranks):
     assert all(len(r) == 9 for r in results), results
 
 
-def check_compiled_modes():
+def check_compiled_models():
     # (packed rows: the segment check reading position ids breaks the graph there, as data-dependent)
-    return {mode: check_cp("llama", packed=True, mode=mode, compiled=True) for mode in ("ring", "all-to-all")}
+    done = {mode: check_cp("llama", packed=True, mode=mode, compiled=True) for mode in ("ring", "all-to-all")}
+    done["qwen2_moe ep=2"] = check_cp("qwen2_moe", ep=2, compiled=True)
+    return done
 
 
-def test_cp2_compiled_model(ranks):
+def test_cp2_compiled_models(ranks):
     """The wrapped model's forward under torch.compile (aot_eager) equals the unwrapped model, with
     the ring and with all-to-all (whose exchanges once traced into c10d's in-place collectives,
-    whose writes the functional graph dropped: NaN logits). Every mode's op compiled whole:
-    test_context_parallel_attention.py."""
-    results = ranks(2).run(check_compiled_modes, timeout=TIMEOUT_S)
-    assert all(len(r) == 2 for r in results), results
+    whose writes the functional graph dropped: NaN logits), and with experts split over the cp
+    ranks (run eagerly inside the compiled model: their sizes depend on the routing; fake tensors
+    once failed on them). Every mode's op compiled whole: test_context_parallel_attention.py."""
+    results = ranks(2).run(check_compiled_models, timeout=TIMEOUT_S)
+    assert all(len(r) == 3 for r in results), results
 
 def test_cp2_more_families_packed(ranks):
     results = ranks(2).run(check_families, timeout=TIMEOUT_S)

@@ -99,6 +99,33 @@ def check_dispatch_combine(num_experts: int, routing: str, capacity_factor=None,
     return int(routing_plan.dropped), sum(counts)
 
 
+def check_compiled():
+    """route -> dispatch -> experts -> combine inside torch.compile'd code equals eager, output and
+    gradients: the ops break the graph (their sizes depend on the routing) and run eagerly."""
+    rank = dist.get_rank()
+    hidden, index, weights, probe = rank_inputs(rank, 4, "random")
+    weight = expert_weights(4)[rank * 2:(rank + 1) * 2]
+
+    def moe(hidden, weights):
+        routing = ops.moe_route(index, 4)
+        rows = ops.moe_dispatch(hidden, routing)
+        counts = routing.tokens_per_local_expert.tolist()
+        outputs = [expert(block, weight[e]) for e, block in enumerate(rows.split(counts))]
+        return ops.moe_combine(torch.cat(outputs), weights, routing)
+
+    results = []
+    for run in (moe, torch.compile(moe, backend="aot_eager")):
+        h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = run(h, w)
+        results.append((out.detach(), *torch.autograd.grad((out * probe).sum(), (h, w))))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=0)
+    return True
+
+
+def test_compiled_code_runs_the_ops_eagerly(ranks):
+    assert ranks(2).run(check_compiled) == [True, True]
+
 def test_capacity_drops_and_reports(ranks):
     results = ranks(2).run(check_dispatch_combine, 4, "one_rank", capacity_factor=1.0)
     # Rank r routes its T_r tokens' 2 T_r pairs to experts 0 and 1 (T_r each); a capacity of
