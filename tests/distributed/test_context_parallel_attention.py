@@ -196,13 +196,15 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
     return True
 
 
-def check_compiled_cases(seq_len):
+def check_compiled_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
     """Each mode under torch.compile: causal and full, both layouts, packed rows with a window and sinks."""
     for mode in MODES:
-        _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=True, packed=False, compiled=True)
-        _check_case(seq_len, kv_heads=2, mode=mode, layout="contiguous", causal=False, packed=False, compiled=True)
-        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, window=3, sinks=True,
-                    compiled=True)
+        _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=True, packed=False, device=device,
+                    dtype=dtype, compiled=True)
+        _check_case(seq_len, kv_heads=2, mode=mode, layout="contiguous", causal=False, packed=False, device=device,
+                    dtype=dtype, compiled=True)
+        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=True, packed=True, device=device,
+                    dtype=dtype, window=3, sinks=True, compiled=True)
     return True
 
 

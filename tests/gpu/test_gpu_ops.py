@@ -3,12 +3,12 @@ floats, as on the CPU), expert dispatch/combine at ep=2 (float64 against the CPU
 context-parallel attention at cp=2 in each mode and layout on each block kernel (float64:
 matmul; float32: memory-efficient; bfloat16: flash; against float64 SDPA, bf16 looser as its
 kernels round P to 8 bits) with a profile showing that kernel ran (SDPA itself would pick cuDNN
-attention on Hopper), and the split-B/W linear under autocast (bf16, fp16) computing as
+attention on Hopper), each mode under torch.compile, and the split-B/W linear under autocast (bf16, fp16) computing as
 autocast's own linear."""
 import pytest
 import torch
 
-from test_context_parallel_attention import HEADS, _inputs, _kernels_used, check_all_cases
+from test_context_parallel_attention import HEADS, _inputs, _kernels_used, check_all_cases, check_compiled_cases
 from test_moe_dispatch import check_dispatch_combine
 from test_tp_mappings import check_all_mappings
 from torchpp.pipeline import SplitBWLinear, weight_grad_store
@@ -31,6 +31,10 @@ def test_expert_dispatch_combine_ep2(gpu_ranks, device, routing):
 def test_context_parallel_attention_cp2(gpu_ranks, device, dtype):
     assert gpu_ranks(2).run(check_all_cases, 16, device, dtype, timeout=TIMEOUT_S) == [True, True]
 
+
+def test_context_parallel_attention_compiled_cp2(gpu_ranks, device):
+    # Each mode traced whole (aot_eager: the graph's ops run on CUDA over NCCL, no triton build).
+    assert gpu_ranks(2).run(check_compiled_cases, 16, device, torch.float32, timeout=TIMEOUT_S) == [True, True]
 
 def sdpa_picks_cudnn(device, dtype) -> bool:
     """Whether SDPA would run cuDNN attention on a block of check_block_kernel's ring (4 tokens)."""
