@@ -152,7 +152,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> all_gather_attention_backward(
     c10d_compat::reduce_scatter_single(*s.group, own_flat, flat)->wait();
   }
   auto own = own_flat.view(kv_grads.sizes().slice(1));
-  return {join_queries(dqs, s.shapes, q.scalar_type()), own[0].to(k.scalar_type()), own[1].to(v.scalar_type())};
+  return {join_queries(dqs, s.shapes, q.scalar_type()), own[0].to(k.scalar_type()).contiguous(),
+          own[1].to(v.scalar_type()).contiguous()};  // (contiguous, as the fakes)
 }
 
 }  // namespace

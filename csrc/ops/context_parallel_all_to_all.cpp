@@ -267,7 +267,7 @@ at::Tensor all_to_all_attention_fake(const at::Tensor& q, const at::Tensor&, con
                                      const std::optional<at::Tensor>&, c10::string_view, int64_t, bool,
                                      std::optional<double>, c10::string_view, int64_t,
                                      const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&) {
-  return at::empty_like(q);
+  return at::empty_symint(q.sym_sizes(), q.options());  // (contiguous, as sequence_to_heads returns it)
 }
 
 }  // namespace

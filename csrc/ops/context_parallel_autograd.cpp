@@ -127,24 +127,30 @@ at::ScalarType acc_dtype(const at::Tensor& q) {
   return (dtype == at::kHalf || dtype == at::kBFloat16) ? at::kFloat : dtype;
 }
 
+// Contiguous, whatever the inputs' strides, as the kernels return them (a compiled graph plans its views
+// by these strides: an output laid out as a transposed query would mislead them).
+at::Tensor contiguous_like(const at::Tensor& t) {
+  return at::empty_symint(t.sym_sizes(), t.options());
+}
+
 at::Tensor attention_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                           c10::string_view, int64_t, bool, std::optional<double>, c10::string_view, int64_t,
                           const std::optional<at::Tensor>&, double, const std::optional<at::Tensor>&) {
-  return at::empty_like(q);
+  return contiguous_like(q);
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_fake(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                                 const std::optional<at::Tensor>&, c10::string_view, int64_t, bool,
                                                 std::optional<double>, c10::string_view, int64_t, double,
                                                 const std::optional<at::Tensor>&) {
-  return {at::empty_like(q), at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(acc_dtype(q)))};
+  return {contiguous_like(q), at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(acc_dtype(q)))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_fake(
     const at::Tensor&, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view, int64_t, bool, std::optional<double>,
     c10::string_view, int64_t, double, const std::optional<at::Tensor>&) {
-  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
+  return {contiguous_like(q), contiguous_like(k), contiguous_like(v)};
 }
 
 }  // namespace

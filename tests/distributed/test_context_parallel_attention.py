@@ -240,7 +240,10 @@ def check_opcheck():
     ones, autograd registration, and AOT dispatch with static and dynamic shapes."""
     group = dist.group.WORLD
     name, c = group.group_name, group.size()
-    q, k, v, _ = (shard_sequence(t, group, dim=2).requires_grad_() for t in _inputs(4 * c, kv_heads=2))
+    # Laid out [b, s, heads, d] in memory, as transformers' attention hands them over (q.transpose(1, 2)):
+    # the fake kernels' strides must still be the real ones'.
+    q, k, v, _ = (shard_sequence(t, group, dim=2).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                  for t in _inputs(4 * c, kv_heads=2))
     sinks = torch.linspace(-1.0, 1.0, HEADS, dtype=torch.float64).requires_grad_()
     inner, ring = _group_of("all-to-all+ring", group)
     for op, groups in (("ring_attention", (name, c)), ("all_gather_attention", (name, c)),

@@ -125,17 +125,19 @@ def test_cp2_llama_qwen2_modes_layouts_packed(ranks):
 
 def check_compiled_models():
     # (packed rows: the segment check reading position ids breaks the graph there, as data-dependent)
-    done = {mode: check_cp("llama", packed=True, mode=mode, compiled=True) for mode in ("ring", "all-to-all")}
-    done["qwen2_moe ep=2"] = check_cp("qwen2_moe", ep=2, compiled=True)
-    return done
+    return {"gpt_oss ring": check_cp("gpt_oss", sliding_window=3, compiled=True),
+            "llama all-to-all packed": check_cp("llama", packed=True, mode="all-to-all", compiled=True),
+            "qwen2_moe ep=2": check_cp("qwen2_moe", ep=2, compiled=True)}
 
 
 def test_cp2_compiled_models(ranks):
-    """The wrapped model's forward under torch.compile (aot_eager) equals the unwrapped model, with
-    the ring and with all-to-all (whose exchanges once traced into c10d's in-place collectives,
-    whose writes the functional graph dropped: NaN logits), and with experts split over the cp
-    ranks (run eagerly inside the compiled model: their sizes depend on the routing; fake tensors
-    once failed on them). Every mode's op compiled whole: test_context_parallel_attention.py."""
+    """The wrapped model's forward under torch.compile (aot_eager) equals the unwrapped model: GPT-OSS
+    with the ring (sinks and windows: blocks on the matmul path, whose contiguous output the fake
+    kernels once gave the query's strides, so the compiled backward's views failed), Llama with
+    all-to-all (whose exchanges once traced into c10d's in-place collectives, whose writes the
+    functional graph dropped: NaN logits), and Qwen2-MoE with experts split over the cp ranks (run
+    eagerly inside the compiled model: their sizes depend on the routing; fake tensors once failed
+    on them). Every mode's op compiled whole: test_context_parallel_attention.py."""
     results = ranks(2).run(check_compiled_models, timeout=TIMEOUT_S)
     assert all(len(r) == 3 for r in results), results
 
