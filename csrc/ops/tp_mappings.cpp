@@ -12,7 +12,7 @@ namespace {
 at::Tensor copy_to_tp_region(const at::Tensor& input, c10::string_view group_name) {
   // No communication forward, but a bad group must fail here rather than in backward.
   check_group(input, std::string(group_name), "copy_to_tp_region");
-  return input.clone();
+  return input.clone(at::MemoryFormat::Contiguous);  // (every mapping's output is contiguous, as its fake's)
 }
 
 at::Tensor reduce_from_tp_region(const at::Tensor& input, c10::string_view group_name) {
@@ -41,9 +41,10 @@ at::Tensor reduce_scatter_to_sp_region(
 }
 
 // ---- Fake kernels: shapes only, from the explicit group_size; never touch a group ----
+// Outputs contiguous whatever the input's strides, as the kernels return them.
 
 at::Tensor same_shape_fake(const at::Tensor& input, c10::string_view) {
-  return at::empty_like(input);
+  return at::empty_symint(input.sym_sizes(), input.options());
 }
 
 at::Tensor resized_fake(const at::Tensor& input, int64_t group_size, int64_t dim, bool shrink, const char* op_name) {

@@ -94,6 +94,7 @@ def check_opcheck():
     group = dist.group.WORLD
     name, size = group.group_name, group.size()
     x = _int_tensor(7).requires_grad_()
+    strided = _int_tensor(7, shape=(SHAPE[1], SHAPE[0], SHAPE[2])).transpose(0, 1).requires_grad_()
     samples = {
         "copy_to_tp_region": (x, name),
         "reduce_from_tp_region": (x, name),
@@ -105,6 +106,8 @@ def check_opcheck():
     }
     for op_name, args in samples.items():
         torch.library.opcheck(getattr(torch.ops.torchpp, op_name).default, args)
+        # (a transposed input: the fake kernels must give the real outputs' strides)
+        torch.library.opcheck(getattr(torch.ops.torchpp, op_name).default, (strided, *args[1:]))
     return True
 
 
