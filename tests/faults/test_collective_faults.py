@@ -55,6 +55,9 @@ UNKNOWN_GROUP_CALLS = {
     "ring_attention_backward": ((_QKV[0], *_QKV, _QKV[0], torch.zeros(1, 2, 4), None), (2, True, None, "zigzag")),
     "all_gather_attention_backward": ((_QKV[0], *_QKV, _QKV[0], torch.zeros(1, 2, 4), None),
                                       (2, True, None, "zigzag")),
+    # The all-to-all modes' exchanges of heads for the sequence.
+    "heads_to_sequence": ((_QKV[0],), (2,)),
+    "sequence_to_heads": ((_QKV[0],), (2,)),
     # Expert-parallel routing of 4 tokens x 2 slots over 4 experts (and the exchange's halves).
     "moe_route": ((torch.zeros(4, 2, dtype=torch.long), 4), (2,)),
     "moe_dispatch": ((torch.ones(4, 8), *_ROUTING, 2), (2,)),
