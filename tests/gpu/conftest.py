@@ -4,15 +4,11 @@
 TORCHPP_GPU_TESTS_ON_CPU=1 runs them on CPU tensors over gloo instead: the same test code and
 launcher path, so a session without a GPU can check them before a GPU session runs them."""
 import os
-import sys
 
 import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The CPU suite's rank-side checks, reused here with a device (spawned ranks inherit sys.path).
-for folder in ("distributed", "ops"):
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), folder))
 
 from harness import RankPools  # noqa: E402
 
