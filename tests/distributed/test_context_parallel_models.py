@@ -24,13 +24,15 @@ read the whole sequence's, at cp=2, cp=4 and cp=2 x pp=2; models computing atten
 own code (Falcon, GPT-Neo, Bloom and MPT with ALiBi, MegatronBERT, RemBERT, RoFormer, BigBird's full
 attention, MVP, TrOCR, XLM) have their
 softmax routed to sharded attention. The wrapped forward under torch.compile (aot_eager): ring, all-to-all,
-experts split over cp."""
+experts split over cp; decoder layers compiled whole on packed rows, following each batch's packing."""
+import copy
+
 import pytest
 import torch
 
 import torchpp
 from torchpp.models import parallelize
-from torchpp.testing.model_checks import check_cp
+from torchpp.testing.model_checks import SEQ, assert_close, batch, check_cp, packed_positions, precision
 from torchpp.testing.tiny_models import tiny_model
 
 TIMEOUT_S = 300
@@ -124,9 +126,8 @@ def test_cp2_llama_qwen2_modes_layouts_packed(ranks):
 
 
 def check_compiled_models():
-    # (packed rows: the segment check reading position ids breaks the graph there, as data-dependent)
     return {"gpt_oss ring": check_cp("gpt_oss", sliding_window=3, compiled=True),
-            "llama all-to-all packed": check_cp("llama", packed=True, mode="all-to-all", compiled=True),
+            "llama all-to-all packed": check_cp("llama", packed=True, mode="all-to-all", compiled="layers"),
             "qwen2_moe ep=2": check_cp("qwen2_moe", ep=2, compiled=True)}
 
 
@@ -137,9 +138,39 @@ def test_cp2_compiled_models(ranks):
     all-to-all (whose exchanges once traced into c10d's in-place collectives, whose writes the
     functional graph dropped: NaN logits), and Qwen2-MoE with experts split over the cp ranks (run
     eagerly inside the compiled model: their sizes depend on the routing; fake tensors once failed
-    on them). Every mode's op compiled whole: test_context_parallel_attention.py."""
+    on them). Llama's decoder layers are compiled each whole (fullgraph) on packed rows: whether rows
+    are packed is decided once, where the batch is sharded, not by a data-dependent branch in every
+    layer (which broke the graph). Every mode's op compiled whole: test_context_parallel_attention.py."""
     results = ranks(2).run(check_compiled_models, timeout=TIMEOUT_S)
     assert all(len(r) == 3 for r in results), results
+
+
+def check_compiled_layers_follow_each_batch():
+    """Layers compiled whole, called with rows packed one way, then unpacked (no position ids, and
+    given ones counting from 0), then packed another way: each forward's logits equal the unwrapped
+    model's, so no compiled layer keeps an earlier batch's segments."""
+    from torchpp.context_parallel import unshard_sequence
+
+    with precision(torch.float64):
+        state = torchpp.init_parallel(cp=2)
+        model = tiny_model("llama")
+        reference = copy.deepcopy(model)
+        ids, _ = batch(model.config.vocab_size, seq_len=SEQ)
+        wrapped = parallelize(model, state=state)
+        torch._dynamo.reset()
+        for layer in (m for m in wrapped.modules() if type(m).__name__ in wrapped._no_split_modules):
+            layer.compile(backend="aot_eager", fullgraph=True)
+        packed = packed_positions(ids.size(0), SEQ)
+        counting = torch.arange(SEQ).expand(ids.size(0), -1)
+        for name, positions in [("packed", packed), ("none", None), ("from 0", counting), ("packed flipped", packed.flip(0))]:
+            out = wrapped(input_ids=ids, position_ids=positions, use_cache=False)
+            expected = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+            assert_close(unshard_sequence(out.logits, state.cp_group, dim=1), expected, f"compiled layers, {name} rows")
+    return "equal"
+
+
+def test_compiled_layers_follow_each_batch(ranks):
+    assert ranks(2).run(check_compiled_layers_follow_each_batch, timeout=TIMEOUT_S) == ["equal"] * 2
 
 def test_cp2_more_families_packed(ranks):
     results = ranks(2).run(check_families, timeout=TIMEOUT_S)

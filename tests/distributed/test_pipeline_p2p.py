@@ -20,3 +20,20 @@ def test_scatter_gather_round_trip(ranks, shape, sliced):
     for sent, equal in results:
         assert equal
         assert sent == (numel // 2 if sliced else numel)
+
+
+def _opcheck(shape):
+    group = dist.group.WORLD
+    full = torch.randn(shape, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.torchpp.pp_scatter_slice.default, (full, group.rank(), group.size()))
+    piece = torch.ops.torchpp.pp_scatter_slice(full, group.rank(), group.size())
+    torch.library.opcheck(torch.ops.torchpp.pp_gather_slices.default,
+                          (piece, list(shape), group.group_name, group.size()))
+    return True
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 8), (3, 5, 7)])
+def test_opcheck(ranks, shape):
+    """torch.library.opcheck, dynamic shapes included (the scatter's fake kernel once read a concrete
+    numel, which symbolic sizes have not; the gather's once ran its all-gather on fake tensors)."""
+    assert ranks(2).run(_opcheck, shape, timeout=120) == [True, True]

@@ -5,9 +5,17 @@
 - The cp ops' fake kernels gave outputs the query's strides while the kernels return them
   contiguous: a compiled model's backward planned views on the wrong strides and failed (GPT-OSS,
   Bloom), on transformers' [b, s, h, d] layout.
-- The expert ops have data-dependent sizes: fake tensors failed on them with a RecursionError."""
+- The expert ops have data-dependent sizes: fake tensors failed on them with a RecursionError.
+- Compiled layers of a cp model read the count of sharded calls (a guard on its value) and
+  whether rows were packed (a data-dependent branch): a recompile at every call, up to dynamo's
+  limit (fullgraph: an error), and a graph break in every layer. The count's case is here; the
+  whole model's, layers compiled over batches packed and not: test_context_parallel_models.py.
+- The pipeline's scatter slice read a concrete numel in its fake kernel (dynamic shapes failed),
+  and its gather ran the all-gather on fake tensors."""
 import torch
 import torch.distributed as dist
+
+from torchpp.context_parallel.hf_support import AttentionCalls
 
 from test_context_parallel_attention import _check_case, _inputs
 from test_moe_dispatch import check_compiled as check_compiled_experts
@@ -39,3 +47,26 @@ def test_fake_kernels_give_the_real_strides(ranks):
 
 def test_compiled_code_runs_the_expert_ops(ranks):
     assert ranks(2).run(check_compiled_experts) == [True, True]
+
+
+def test_counting_calls_in_compiled_code_recompiles_nothing():
+    calls = AttentionCalls()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def layer(x):
+        calls.made()
+        return x * 2
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for _ in range(3):
+            layer(torch.ones(2))
+    assert calls.compiled and calls.count == 0
+
+
+def _p2p_opcheck():
+    from test_pipeline_p2p import _opcheck
+    return _opcheck((4, 6, 8))
+
+
+def test_p2p_fake_kernels(ranks):
+    assert ranks(2).run(_p2p_opcheck) == [True, True]

@@ -161,7 +161,7 @@ def track_layers(model: nn.Module, cp: "ContextParallel", is_layer: Callable[[nn
         tokens = []
 
         def enter(layer, args, tokens=tokens):
-            cp.calls.count += 1  # the layer mixes its sequence through sharded code
+            cp.calls.made()  # the layer mixes its sequence through sharded code
             tokens.append(active.set(cp))
 
         def leave(layer, args, output, tokens=tokens):

@@ -118,7 +118,7 @@ def run_with_halos(cp: "ContextParallel", inputs: List[List[torch.Tensor]], halo
 
 
 def _sharded_forward(forward, cp: "ContextParallel", halo: int, *args, **kwargs):
-    cp.calls.count += 1  # the layer mixes its sequence through sharded code
+    cp.calls.made()  # the layer mixes its sequence through sharded code
     bound = inspect.signature(forward).bind(*args, **kwargs)
     names = [name for name in SEQUENCE_INPUTS if isinstance(bound.arguments.get(name), torch.Tensor)]
     n_pieces = len(chunk_indices(0, cp.size, cp.layout))

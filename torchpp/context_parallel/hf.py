@@ -129,12 +129,16 @@ def shard_batch(cp: ContextParallel, *, input_ids=None, inputs_embeds=None, labe
         out["inputs_embeds"] = cp.shard(inputs_embeds)
     rule = cp.model_positions.rule
     if position_ids is None and rule is not None:  # the model's own positions, derived from the whole sequence
-        out["position_ids"] = cp.shard(rule(input_ids, inputs_embeds).expand(batch, -1))
+        full_positions = rule(input_ids, inputs_embeds).expand(batch, -1)
+        out["position_ids"] = cp.shard(full_positions)
+        _mark_packing(cp, full_positions, out["position_ids"])
     elif position_ids is None:
         out["position_ids"] = cp.positions(seq_len, tokens.device).expand(batch, -1)
+        setattr(out["position_ids"], ROWS_PACKED, False)  # one sequence a row
     else:
         check_given(cp.model_positions, position_ids)
         out["position_ids"] = cp.shard(position_ids.expand(batch, -1))
+        _mark_packing(cp, position_ids.expand(batch, -1), out["position_ids"])
     if labels is not None or shift_labels is not None:
         targets = shift_labels if shift_labels is not None else shifted_targets(labels)
         local = cp.shard(targets)
@@ -145,14 +149,36 @@ def shard_batch(cp: ContextParallel, *, input_ids=None, inputs_embeds=None, labe
 
 # id(ContextParallel) -> (the position ids last decided on, their version, the segment ids or None)
 _SEGMENTS_DECIDED: Dict[int, tuple] = {}
+# Set by shard_batch on the position ids it returns: whether their rows are packed. An attribute of
+# the tensor, so compiled layers guard on its value (two graphs at most) and recompile for no new batch.
+ROWS_PACKED = "_torchpp_rows_packed"
+
+
+def _mark_packing(cp: ContextParallel, full_positions: torch.Tensor, local_positions: torch.Tensor) -> None:
+    """Whether rows are packed, decided where every cp rank holds them whole: no collective, and no
+    data-dependent branch in the attention layers (which broke a compiled layer's graph)."""
+    if cp.model_positions.packed_rows:
+        starts = torch.arange(full_positions.size(-1), device=full_positions.device) - full_positions
+        setattr(local_positions, ROWS_PACKED, bool((starts != starts[..., :1]).any()))
 
 
 def _segment_ids(cp: ContextParallel, position_ids: Optional[torch.Tensor], local_len: int) -> Optional[torch.Tensor]:
     """Packed sequences' ids (each token's sequence start: its global index minus its position),
     or None when each row holds one sequence or the model does not split rows by position ids.
-    Collective over the cp group, once per position ids tensor (every layer of a forward gets the same one)."""
+    Position ids from ``shard_batch`` say which; for others it is decided by a collective over the
+    cp group, once per position ids tensor (every layer of a forward gets the same one), or, in
+    compiled code, the segment ids are given whatever the rows (correct for any, masked block by block)."""
     if position_ids is None or not cp.model_positions.packed_rows or not masks_split_rows():
         return None
+    packed = getattr(position_ids, ROWS_PACKED, None)
+    if packed is None and not torch.compiler.is_compiling():
+        return _segment_ids_agreed(cp, position_ids, local_len)
+    if packed is False:
+        return None
+    return cp.positions(local_len * cp.size, position_ids.device) - position_ids
+
+
+def _segment_ids_agreed(cp: ContextParallel, position_ids: torch.Tensor, local_len: int) -> Optional[torch.Tensor]:
     decided = _SEGMENTS_DECIDED.get(id(cp))
     if decided is not None and decided[0]() is position_ids and decided[1] == position_ids._version:
         return decided[2]
@@ -227,10 +253,10 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     gathered = _gathered_route(cp, module, kwargs)
     if gathered is not None:  # (its keys' length and mask are the route's own to check)
         check_call(module, query, query, None, dropout, sliding_window, causal, kwargs)
-        cp.calls.count += 1
+        cp.calls.made()
         return gathered(query, key, value, attention_mask, scaling, s_aux, position_ids), None
     check_call(module, query, key, attention_mask, dropout, sliding_window, causal, kwargs)
-    cp.calls.count += 1
+    cp.calls.made()
     segments = _segment_ids(cp, position_ids, query.size(2))
     if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)

@@ -201,10 +201,20 @@ TOKENWISE_LAYERS = ("mlp", "moe")
 
 class AttentionCalls:
     """Counts a model's sharded sequence-mixing calls (attention, short convolutions with halos,
-    delta-rule and Mamba scans), so that each layer of its stack can be checked to have made one."""
+    delta-rule and Mamba scans), so that each layer of its stack can be checked to have made one.
+    Compiled code counts nothing: a count read there becomes a guard on its value, recompiling the
+    layer at every call. Its layers are checked in eager forwards."""
 
     def __init__(self):
         self.count = 0
+        self.compiled = False  # a call was made in compiled code: not counted, so no layer is judged
+
+    def made(self) -> None:
+        """One sharded sequence-mixing call."""
+        if torch.compiler.is_compiling():
+            self.compiled = True  # (a store, no read: no guard)
+        else:
+            self.count += 1
 
     def watch(self, layers: nn.ModuleList, path: str) -> None:
         for index, layer in enumerate(layers):
@@ -217,10 +227,13 @@ class AttentionCalls:
                 layer._torchpp_cp_watched = True
 
     def _before(self, layer, args):
-        layer._torchpp_cp_calls_before = self.count
+        if not torch.compiler.is_compiling():
+            layer._torchpp_cp_calls_before = self.count
 
     def _after(self, where: str):
         def hook(layer, args, output):
+            if torch.compiler.is_compiling() or self.compiled:
+                return
             if self.count == getattr(layer, "_torchpp_cp_calls_before", self.count - 1):
                 raise NotImplementedError(f"{PREFIX}: layer {where} ({type(layer).__name__}) ran without calling "
                                           f"attention: it mixes the sequence in its own code (a Mamba, convolution "

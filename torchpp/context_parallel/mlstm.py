@@ -61,7 +61,7 @@ def _sharded_forward(backend: nn.Module, cp: "ContextParallel", forward, query, 
                          f"{backend.config.chunk_size} tokens, but each of this rank's {n_pieces} pieces of the "
                          f"sequence holds {length}: use a sequence length divisible by "
                          f"{backend.config.chunk_size * n_pieces * cp.size}")
-    cp.calls.count += 1  # the layer mixes its sequence through sharded code
+    cp.calls.made()  # the layer mixes its sequence through sharded code
     batch, heads, _, d_k = key.shape
     d_v = value.size(-1)
     pieces = [tuple(t.narrow(2, start, length) for t in (query, key, value, igate, fgate))

@@ -58,7 +58,7 @@ def _sharded_forward(module: nn.Module, cp: "ContextParallel", hidden, state=Non
     if state is not None or use_cache:
         raise NotImplementedError("torchpp context parallelism: RWKV's time mixing was given a state or asked to keep "
                                   "one (a cache): sharded layers keep no state (use_cache=False)")
-    cp.calls.count += 1  # the layer mixes its sequence through sharded code
+    cp.calls.made()  # the layer mixes its sequence through sharded code
     recurrence = getattr(sys.modules[type(module).__module__], RECURRENCE)
     n_pieces = pieces_of(cp)
     # The token shift reads the token before each: a halo of one.

@@ -7,7 +7,7 @@ much.
 from __future__ import annotations
 
 import copy
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 from torch import nn
@@ -304,11 +304,22 @@ def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def _compile(wrapped: nn.Module, per_layer: bool) -> None:
+    if not per_layer:
+        wrapped.forward = torch.compile(wrapped.forward, backend="aot_eager")
+        return
+    layers = [m for m in wrapped.modules() if type(m).__name__ in (wrapped._no_split_modules or ())]
+    if not layers:
+        raise ValueError(f"check_cp: compiled='layers' finds no layers of {type(wrapped).__name__}'s _no_split_modules")
+    for layer in layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+
+
 def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, schedule: str = "zb-h1",
              n_microbatches: int = 2, packed: bool = False, mode: str = "ring", layout: str = "zigzag",
              seq_len: int = SEQ, recompute: Optional[str] = None, sequence_parallel: bool = False, zero: int = 0,
-             plan=None, config: Optional[dict] = None, all_to_all_size: Optional[int] = None, compiled: bool = False,
-             **extra) -> str:
+             plan=None, config: Optional[dict] = None, all_to_all_size: Optional[int] = None,
+             compiled: Union[bool, str] = False, **extra) -> str:
     """cp (x tp x pp x dp) ranks, each cp group given its data-parallel replica's rows of the
     batch: the context-parallel model's loss (and, at pp=1, its logits, gathered over cp) equal
     the unwrapped model's on those rows, and after one SGD step through DistributedOptimizer
@@ -317,7 +328,8 @@ def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int 
     over ep of the dp x cp ranks; ``config``: the tiny model's config values whose names this
     function takes itself (xLSTM's ``mode``), besides ``extra``'s; ``all_to_all_size``: mode
     all-to-all+ring's (parallelize's ``cp_all_to_all_size``); ``compiled``: the wrapped model's forward
-    torch.compile'd (aot_eager: autograd traced ahead, no inductor build; at pp=1)."""
+    torch.compile'd (aot_eager: autograd traced ahead, no inductor build; at pp=1), or with
+    ``"layers"`` each decoder layer compiled whole (``fullgraph=True``, as torchtitan compiles blocks)."""
     with precision(extra.get("dtype", torch.float64)):
         return _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len,
                          recompute, sequence_parallel, zero, plan, config or {}, all_to_all_size, compiled, **extra)
@@ -358,13 +370,13 @@ def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, 
     wrapped.loss_function = exact_causal_lm_loss
     if compiled:
         torch._dynamo.reset()
-        wrapped.forward = torch.compile(wrapped.forward, backend="aot_eager")
+        _compile(wrapped, per_layer=compiled == "layers")
     # ZeRO-3 gathers before each module's forward: it takes the model itself.
     optimizer = DistributedOptimizer(wrapped if zero == 3 else wrapped.named_parameters(), torch.optim.SGD, state,
                                      lr=LR, accumulations_per_step=n_microbatches if zero >= 2 else 0, zero=zero)
     mode_name = mode if all_to_all_size is None else f"{mode} (all-to-all groups of {all_to_all_size})"
     what = f"{model_type} cp={cp} tp={tp} pp={pp} dp={dp} ep={ep}{' ' + schedule if pp > 1 else ''} {mode_name} {layout}" + \
-        (" packed" if packed else "") + (" compiled" if compiled else "")
+        (" packed" if packed else "") + (f" compiled{' layers' if compiled == 'layers' else ''}" if compiled else "")
     if pp == 1:
         out = wrapped(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
         loss = out.loss
