@@ -125,14 +125,22 @@ def _stream_args_hook(gather: Callable[[torch.Tensor], torch.Tensor], from_outsi
     Tensors the layer itself was given besides its hidden states (``from_outside``: an encoder's
     states, say) are never slices, whatever their shape."""
 
+    # (Plain loops: torch.compile traces them in a compiled layer; it broke on the comprehensions.)
     def hook(module, args, kwargs):
         first = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(first, torch.Tensor):
             return None
-        on_stream = lambda x: (x is first or isinstance(x, torch.Tensor) and x.shape == first.shape  # noqa: E731
-                               and id(x) not in from_outside)
-        return (tuple(gather(a) if on_stream(a) else a for a in args),
-                {k: gather(v) if on_stream(v) else v for k, v in kwargs.items()})
+
+        def on_stream(x):
+            return x is first or isinstance(x, torch.Tensor) and x.shape == first.shape and id(x) not in from_outside
+
+        gathered_args = []
+        for a in args:
+            gathered_args.append(gather(a) if on_stream(a) else a)
+        gathered_kwargs = {}
+        for k, v in kwargs.items():
+            gathered_kwargs[k] = gather(v) if on_stream(v) else v
+        return tuple(gathered_args), gathered_kwargs
 
     return hook
 
@@ -142,8 +150,12 @@ def _record_outside_inputs(from_outside: Set[int]):
 
     def hook(module, args, kwargs):
         from_outside.clear()
-        given = list(args[1:]) + [v for k, v in kwargs.items() if not (k == "hidden_states" and not args)]
-        from_outside.update(id(t) for t in given if isinstance(t, torch.Tensor))
+        for t in args[1:]:
+            if isinstance(t, torch.Tensor):
+                from_outside.add(id(t))
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor) and (args or k != "hidden_states"):
+                from_outside.add(id(v))
 
     return hook
 

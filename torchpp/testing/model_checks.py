@@ -206,14 +206,16 @@ def _compare_values(wrapped, reference: nn.Module, what: str) -> None:
         assert_close(value, expected[name], f"{what} value of {name} after one SGD step")
 
 
-def check_tp(model_type: str, tp: int = 2, *, sequence_parallel: bool = False, plan=None, **extra) -> str:
+def check_tp(model_type: str, tp: int = 2, *, sequence_parallel: bool = False, plan=None,
+             compiled: Union[bool, str] = False, **extra) -> str:
     """tp ranks (pp=1): the wrapped model called as before returns the same loss and full
-    logits; its gradients and one SGD step equal the unwrapped model's. ``plan``: parallelize's."""
+    logits; its gradients and one SGD step equal the unwrapped model's. ``plan``: parallelize's;
+    ``compiled``: as check_cp's."""
     with precision(extra.get("dtype", torch.float64)):
-        return _check_tp(model_type, tp, sequence_parallel, plan, **extra)
+        return _check_tp(model_type, tp, sequence_parallel, plan, compiled, **extra)
 
 
-def _check_tp(model_type: str, tp: int, sequence_parallel: bool, plan, **extra) -> str:
+def _check_tp(model_type: str, tp: int, sequence_parallel: bool, plan, compiled, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, pp=1)
     model = tiny_model(model_type, **extra)
     reference = copy.deepcopy(model).to(state.device)
@@ -223,7 +225,10 @@ def _check_tp(model_type: str, tp: int, sequence_parallel: bool, plan, **extra) 
         ref_loss, ref_output, ref_grads = _reference(reference, ids, labels)
     _sgd(reference.parameters())
     wrapped = parallelize(model, state=state, sequence_parallel=sequence_parallel, plan=plan)
-    what = f"{model_type} tp={tp}{' sp' if sequence_parallel else ''}"
+    if compiled:
+        torch._dynamo.reset()
+        _compile(wrapped, per_layer=compiled == "layers")
+    what = f"{model_type} tp={tp}{' sp' if sequence_parallel else ''}" + (f" compiled {compiled}" if compiled else "")
     if _is_causal_lm(model):
         wrapped.loss_function = exact_causal_lm_loss
         out = wrapped(input_ids=ids, labels=labels, use_cache=False)
@@ -235,6 +240,8 @@ def _check_tp(model_type: str, tp: int, sequence_parallel: bool, plan, **extra) 
     assert_close(loss, ref_loss, f"{what} loss")
     assert_close(output, ref_output, f"{what} {'logits' if _is_causal_lm(model) else 'hidden states'}")
     loss.backward()
+    if compiled == "layers":
+        _check_no_graph_break(what)
     compared = _compare_grads(wrapped, ref_grads, what)
     _sgd(wrapped.parameters())
     _compare_values(wrapped, reference, what)
@@ -310,9 +317,20 @@ def _compile(wrapped: nn.Module, per_layer: bool) -> None:
         return
     layers = [m for m in wrapped.modules() if type(m).__name__ in (wrapped._no_split_modules or ())]
     if not layers:
-        raise ValueError(f"check_cp: compiled='layers' finds no layers of {type(wrapped).__name__}'s _no_split_modules")
+        raise ValueError(f"compiled='layers' finds no layers of {type(wrapped).__name__}'s _no_split_modules")
     for layer in layers:
-        layer.compile(backend="aot_eager", fullgraph=True)
+        # (not fullgraph: a break in a hook's own frame would pass it, falling back to eager there)
+        layer.compile(backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+
+
+def _check_no_graph_break(what: str) -> None:
+    """After a forward with each layer compiled: none of them broke its graph, hooks included (a
+    frame dynamo gave up on, run eagerly, is counted as unimplemented, not as a break)."""
+    counters = torch._dynamo.utils.counters
+    breaks = {**counters["graph_break"], **counters["unimplemented"]}
+    if breaks:
+        raise AssertionError(f"{what}: a compiled layer broke its graph: {breaks}")
 
 
 def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, schedule: str = "zb-h1",
@@ -329,7 +347,7 @@ def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int 
     function takes itself (xLSTM's ``mode``), besides ``extra``'s; ``all_to_all_size``: mode
     all-to-all+ring's (parallelize's ``cp_all_to_all_size``); ``compiled``: the wrapped model's forward
     torch.compile'd (aot_eager: autograd traced ahead, no inductor build; at pp=1), or with
-    ``"layers"`` each decoder layer compiled whole (``fullgraph=True``, as torchtitan compiles blocks)."""
+    ``"layers"`` each decoder layer compiled, as torchtitan compiles blocks, none breaking its graph."""
     with precision(extra.get("dtype", torch.float64)):
         return _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len,
                          recompute, sequence_parallel, zero, plan, config or {}, all_to_all_size, compiled, **extra)
@@ -382,6 +400,8 @@ def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, 
         loss = out.loss
         assert_close(unshard_sequence(out.logits, state.cp_group, dim=1, layout=layout), ref_logits, f"{what} logits")
         loss.backward()
+        if compiled == "layers":
+            _check_no_graph_break(what)
     else:
         loss = wrapped.step(ids, labels=labels, position_ids=positions)
     if loss is not None:
