@@ -90,6 +90,15 @@ def check_errors():
         model(input_ids=ids, attention_mask=torch.tensor([[1] * 16, [0] * 4 + [1] * 12]))
     with pytest.raises(ValueError, match="use_cache=False"):
         model(input_ids=ids, use_cache=True)
+    # Ranks given different rows (a loader sharding over every rank): each raises, none waits on the others.
+    rank = state.cp_group.rank()
+    with pytest.raises(ValueError, match=r"cp group \[0, 1\] were given different batches \(their tokens differ"):
+        model(input_ids=ids + rank)
+    packed_on_one = packed_positions(2, 16) if rank == 0 else None  # (once a hang: one rank exchanged segment ids)
+    with pytest.raises(ValueError, match=r"different batches \(their position ids differ"):
+        model(input_ids=ids, position_ids=packed_on_one)
+    with pytest.raises(ValueError, match=r"different batches \(their rows, tokens differ"):
+        model(input_ids=torch.zeros(2 + rank, 16, dtype=torch.long) + rank)
     with pytest.raises(ValueError, match="cp_mode must be one of"):
         parallelize(tiny_model("llama"), state=state, cp_mode="tree")
     with pytest.raises(ValueError, match=r"cp_mode='all-to-all' .* num_attention_heads=3 over tp=1 leaves 3 per tp "

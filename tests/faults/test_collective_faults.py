@@ -1,4 +1,6 @@
 """torch.ops.torchpp given a wrong group or per-rank different tensors: a clear error on every rank.
+So do context-parallel ranks given different batches, which once sent one rank into the ring
+while the other all-gathered segment ids (rows packed on one rank only): gloo's timeout, 45 s on.
 
 Without the check before each collective over gloo, tensors of different sizes on different
 ranks abort the whole process inside gloo (SIGABRT: "Received data size doesn't match expected
@@ -171,3 +173,20 @@ def test_different_collectives_are_named(mismatched):
     assert_outcomes([r["kinds"] for r in mismatched], "RuntimeError",
                     ["all-reduce of [4, 8] Float on rank 0", "all-gather of [4, 8] Float on rank 1"],
                     within_s=WITHIN_S)
+
+
+def _different_batches_under_cp():
+    import torchpp
+    from torchpp.models import parallelize
+    from torchpp.testing.model_checks import packed_positions
+    from torchpp.testing.tiny_models import tiny_model
+
+    state = torchpp.init_parallel(cp=2)
+    model = parallelize(tiny_model("llama"), state=state)
+    ids, rank = torch.zeros(2, 16, dtype=torch.long), dist.get_rank()
+    return run_case(lambda: model(input_ids=ids, position_ids=packed_positions(2, 16) if rank == 0 else None))
+
+
+def test_cp_ranks_given_different_batches_raise_on_every_rank(ranks):
+    assert_outcomes(ranks(2).run(_different_batches_under_cp, timeout=120), "ValueError",
+                    ["cp group [0, 1] were given different batches", "position ids differ"], within_s=WITHIN_S)

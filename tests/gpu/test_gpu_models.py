@@ -1,7 +1,7 @@
 """A transformers Llama on the GPU over NCCL, against the unwrapped model run in one process on
 the same GPU, in float32 (rtol 1e-5; torchpp.testing.model_checks.assert_close): loss, every
 gradient and one SGD step. pp=2 under each schedule family, tp=2 (with and without sequence
-parallelism), pp=2 x tp=2 on 4 ranks; and pp=2 under torch.autocast (bf16, fp16), where the
+parallelism; with it, every decoder layer compiled too), pp=2 x tp=2 on 4 ranks; and pp=2 under torch.autocast (bf16, fp16), where the
 split-B/W linears' autocast kernel computes in the low precision."""
 import copy
 
@@ -28,7 +28,9 @@ def test_llama_pp2(gpu_ranks, schedule):
 
 
 def check_tp2():
-    return [check_tp("llama", tp=2, sequence_parallel=sp, dtype=torch.float32) for sp in (False, True)]
+    # (and every layer compiled, aot_eager: no triton build; SP's hooks traced with the layers over NCCL)
+    return [check_tp("llama", tp=2, sequence_parallel=sp, dtype=torch.float32) for sp in (False, True)] + \
+        [check_tp("llama", tp=2, sequence_parallel=True, dtype=torch.float32, compiled="layers")]
 
 
 def test_llama_tp2(gpu_ranks):

@@ -102,6 +102,29 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
+BATCH_FIELDS = ("rows", "sequence length", "tokens", "position ids", "labels")
+
+
+def _check_same_batch(cp: ContextParallel, tokens: torch.Tensor, position_ids, labels) -> None:
+    """Every cp rank must hold the same full batch (a data loader sharding over all ranks instead
+    of over data-parallel replicas breaks that): ranks given different rows would exchange
+    unrelated keys, or wait on each other's collectives when their shapes or packing differ.
+    One small all-reduce of the batch's fingerprint; every rank raises on a mismatch."""
+    sums = [t.sum(dtype=torch.float64) if t is not None else tokens.new_zeros((), dtype=torch.float64)
+            for t in (tokens, position_ids, labels)]
+    shape = torch.tensor([float(tokens.shape[0]), float(tokens.shape[1])], dtype=torch.float64, device=tokens.device)
+    fingerprint = torch.cat([shape, torch.stack(sums)])
+    extremes = torch.cat([fingerprint, -fingerprint])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=cp.group)
+    highest, lowest = extremes[:fingerprint.numel()], -extremes[fingerprint.numel():]
+    differ = [name for name, hi, lo in zip(BATCH_FIELDS, highest.tolist(), lowest.tolist()) if hi != lo]
+    if differ:
+        raise ValueError(f"torchpp context parallelism: the ranks of cp group {dist.get_process_group_ranks(cp.group)} "
+                         f"were given different batches (their {', '.join(differ)} differ; this rank's "
+                         f"{tuple(tokens.shape[:2])} rows x tokens); each rank of a cp group takes its data-parallel "
+                         f"replica's whole batch, the same on every one of them")
+
+
 def shard_batch(cp: ContextParallel, *, input_ids=None, inputs_embeds=None, labels=None, shift_labels=None,
                 position_ids=None, attention_mask=None) -> Dict[str, torch.Tensor]:
     """This rank's shard of a full batch given to every rank of the cp group.
@@ -112,8 +135,9 @@ def shard_batch(cp: ContextParallel, *, input_ids=None, inputs_embeds=None, labe
     labelled tokens, so each rank's loss is its part of the batch mean).
 
     Raises:
-        ValueError: when an attention mask holds padding (pack sequences with position ids
-            instead), or the sequence length is not divisible into the layout's chunks.
+        ValueError: on every rank, when the cp ranks were given different batches; when an
+            attention mask holds padding (pack sequences with position ids instead), or the
+            sequence length is not divisible into the layout's chunks.
     """
     tokens = input_ids if input_ids is not None else inputs_embeds
     if tokens is None:
@@ -121,6 +145,8 @@ def shard_batch(cp: ContextParallel, *, input_ids=None, inputs_embeds=None, labe
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError("torchpp context parallelism: attention_mask holds padding (zeros), which sharded attention "
                          "does not mask; pack sequences into rows and give position_ids that restart at each one")
+    if not torch.compiler.is_compiling():
+        _check_same_batch(cp, tokens, position_ids, labels if labels is not None else shift_labels)
     batch, seq_len = tokens.shape[0], tokens.shape[1]
     out: Dict[str, torch.Tensor] = {}
     if input_ids is not None:
