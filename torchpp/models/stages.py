@@ -147,6 +147,9 @@ class ModelStage(nn.Module):
             return (incoming,) + tuple(args[1:]), kwargs
         return args, {**kwargs, "hidden_states": incoming}
 
+    # Run eagerly after a compiled last layer: raised inside its graph, the exit made dynamo give up
+    # the layer's frame, so that layer ran uncompiled.
+    @torch.compiler.disable
     def _leave(self, module, args, kwargs, output):
         if self._active:
             state = self.layout.layer_state.get(self.layer_range[1] - 1)

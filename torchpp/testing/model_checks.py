@@ -265,14 +265,18 @@ def _split_linears(wrapped: nn.Module, reference: nn.Module) -> str:
 
 
 def check_pp(model_type: str, pp: int = 2, schedule: str = "zb-h1", n_microbatches: int = 4, tp: int = 1,
-             plan=None, **extra) -> str:
+             plan=None, compiled: Optional[str] = None, **extra) -> str:
     """pp (x tp) ranks: ``step`` over the pipeline gives the unwrapped model's loss (on the last
-    stage) and gradients, and one SGD step its values. ``plan``: parallelize's."""
+    stage) and gradients, and one SGD step its values. ``plan``: parallelize's; ``compiled="layers"``:
+    each decoder layer of this rank's stages compiled (as check_cp's; the pipeline calls no model
+    forward for a whole-model compile to take)."""
+    if compiled not in (None, "layers"):
+        raise ValueError(f"check_pp: compiled must be None or 'layers', got {compiled!r}")
     with precision(extra.get("dtype", torch.float64)):
-        return _check_pp(model_type, pp, schedule, n_microbatches, tp, plan, **extra)
+        return _check_pp(model_type, pp, schedule, n_microbatches, tp, plan, compiled, **extra)
 
 
-def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: int, plan, **extra) -> str:
+def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: int, plan, compiled, **extra) -> str:
     state = torchpp.init_parallel(tp=tp, pp=pp)
     model = tiny_model(model_type, **extra)
     if model_type in RANDOM_IN_TRAINING:  # a microbatch would draw other numbers than the whole batch
@@ -285,11 +289,16 @@ def _check_pp(model_type: str, pp: int, schedule: str, n_microbatches: int, tp: 
     probe = None if causal else _Probe(model.config.get_text_config().hidden_size, state.device)
     wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state,
                           loss_fn=None if causal else probe, plan=plan)
-    what = f"{model_type} pp={pp} tp={tp} {schedule}"
+    what = f"{model_type} pp={pp} tp={tp} {schedule}" + (" compiled layers" if compiled else "")
+    if compiled:
+        torch._dynamo.reset()
+        _compile(wrapped, per_layer=True)
     if causal:
         loss = wrapped.step(ids if wrapped.has_first_stage else None, labels if wrapped.has_last_stage else None)
     else:
         loss = wrapped.step(ids if wrapped.has_first_stage else None, target=labels)
+    if compiled:
+        _check_no_graph_break(what)
     if wrapped.has_last_stage:
         assert_close(loss, ref_loss, f"{what} loss")
     compared = _compare_grads(wrapped, ref_grads, what)
