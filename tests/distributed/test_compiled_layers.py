@@ -6,10 +6,12 @@ run with each compiled layer (one once made dynamo abandon its frame: a comprehe
 at pp=2 under 1f1b and interleaved-1f1b, whose stages leave the stack after their last layer by an
 exception (raised inside that layer's graph, it once made dynamo give up the layer: it ran
 uncompiled). Zero-bubble schedules run their split-B/W linears eagerly between compiled graphs
-(test_pipeline_compile.py). cp: test_context_parallel_models.py."""
+(test_pipeline_compile.py). cp=2 x pp=2 on packed rows: the position ids a later stage's layers get
+come with the hidden states, not from the batch's sharding, so the compiled layers are given segment
+ids whatever the rows. cp alone: test_context_parallel_models.py."""
 import pytest
 
-from torchpp.testing.model_checks import check_pp, check_tp
+from torchpp.testing.model_checks import check_cp, check_pp, check_tp
 
 TIMEOUT_S = 300
 
@@ -26,4 +28,9 @@ def test_tp2_layers_compiled(ranks):
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_pp2_layers_compiled(ranks, schedule):
     results = ranks(2).run(check_pp, "llama", schedule=schedule, compiled="layers", timeout=TIMEOUT_S)
+    assert all("grads on this rank" in r for r in results), results
+
+
+def test_cp2_pp2_layers_compiled_on_packed_rows(ranks):
+    results = ranks(4).run(check_cp, "llama", pp=2, packed=True, schedule="1f1b", compiled="layers", timeout=TIMEOUT_S)
     assert all("grads on this rank" in r for r in results), results
