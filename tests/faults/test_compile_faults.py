@@ -11,7 +11,10 @@
   limit (fullgraph: an error), and a graph break in every layer. The count's case is here; the
   whole model's, layers compiled over batches packed and not: test_context_parallel_models.py.
 - The pipeline's scatter slice read a concrete numel in its fake kernel (dynamic shapes failed),
-  and its gather ran the all-gather on fake tensors."""
+  and its gather ran the all-gather on fake tensors.
+- Frames dynamo gave up on, run eagerly without a word (counted as "unimplemented", not as graph
+  breaks): sequence parallelism's hook recording a layer's other inputs (a comprehension), and a
+  pipeline stage's last layer, whose exit hook raised inside the layer's graph."""
 import torch
 import torch.distributed as dist
 
@@ -70,3 +73,27 @@ def _p2p_opcheck():
 
 def test_p2p_fake_kernels(ranks):
     assert ranks(2).run(_p2p_opcheck) == [True, True]
+
+
+def test_sequence_parallel_hooks_trace():
+    from torchpp.tensor_parallel.plan import _record_outside_inputs, _stream_args_hook
+
+    outside = set()
+    record = torch.compile(_record_outside_inputs(outside), backend="eager")
+    gather = torch.compile(_stream_args_hook(lambda t: t * 2, outside), backend="eager")
+    torch._dynamo.utils.counters.clear()
+    hidden, bias, encoder = torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3)
+    record(None, (hidden, encoder), {})
+    args, kwargs = gather(None, (hidden,), {"residual": bias, "encoder_states": encoder})
+    assert not torch._dynamo.utils.counters["unimplemented"], dict(torch._dynamo.utils.counters["unimplemented"])
+    assert torch.equal(args[0], hidden * 2) and torch.equal(kwargs["residual"], bias * 2)
+    assert kwargs["encoder_states"] is encoder  # given to the layer from outside: never a slice
+
+
+def _stage_exit_under_compiled_layers():
+    from torchpp.testing.model_checks import check_pp
+    return check_pp("llama", schedule="1f1b", compiled="layers")
+
+
+def test_a_stage_leaves_after_its_compiled_last_layer(ranks):
+    assert all("grads on this rank" in r for r in ranks(2).run(_stage_exit_under_compiled_layers))
