@@ -110,7 +110,7 @@ def _check_same_batch(cp: ContextParallel, tokens: torch.Tensor, position_ids, l
     of over data-parallel replicas breaks that): ranks given different rows would exchange
     unrelated keys, or wait on each other's collectives when their shapes or packing differ.
     One small all-reduce of the batch's fingerprint; every rank raises on a mismatch."""
-    sums = [t.sum(dtype=torch.float64) if t is not None else tokens.new_zeros((), dtype=torch.float64)
+    sums = [t.detach().sum(dtype=torch.float64) if t is not None else tokens.new_zeros((), dtype=torch.float64)
             for t in (tokens, position_ids, labels)]
     shape = torch.tensor([float(tokens.shape[0]), float(tokens.shape[1])], dtype=torch.float64, device=tokens.device)
     fingerprint = torch.cat([shape, torch.stack(sums)])
