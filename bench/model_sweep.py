@@ -147,9 +147,11 @@ def _cp_summary(rows) -> str:
     passing, refused = sum(c == "pass" for c in cells), sum(c.startswith("refused") for c in cells)
     failing = sum(c.startswith("FAIL") for c in cells)
     return (f"At cp=2 (`torchpp.testing.model_checks.check_cp`: the sequence split over 2 ranks, zigzag, ring; the "
-            f"same comparisons, logits gathered): **{passing} pass**, {refused} are refused with the reason (what a "
+            f"same comparisons, logits gathered; a base model's hidden states gathered, a fixed probe of them its "
+            f"loss): **{passing} pass**, {refused} are refused with the reason (what a "
             f"shard of the sequence cannot run: `torchpp.context_parallel.hf_support`), {failing or 'none'} "
-            f"fail{'s' if failing == 1 else ''}; the rest are not checked (no loss to compare) or not built.")
+            f"fail{'s' if failing == 1 else ''}; the rest are not built, or not checked (a causal LM whose forward "
+            f"returns no loss).")
 
 
 def _exception_lines(rows) -> list:

@@ -193,7 +193,12 @@ def check_all_to_all_at(dims: str):
                 check_cp("qwen2", cp=4, packed=True, mode="all-to-all+ring", all_to_all_size=2, recompute="selective")]
     if dims == "cp2xtp2":  # a tp rank's 2 heads over the cp ranks
         return [check_cp("llama", tp=2, mode="all-to-all")]
-    return [check_cp("mistral", pp=2, mode="all-to-all", packed=True)]
+    done = [check_cp("mistral", pp=2, mode="all-to-all", packed=True)]
+    # (and a base model, which cp takes at pp=1 only: refused under a pipeline, named)
+    torchpp.destroy_parallel()
+    with pytest.raises(ValueError, match=r"cp=2 with pp=2 needs a transformers causal LM.* EuroBertModel is a base"):
+        parallelize(tiny_model("eurobert"), state=torchpp.init_parallel(cp=2, pp=2))
+    return done
 
 
 @pytest.mark.parametrize("dims", ["cp4", "cp2xtp2", "cp2xpp2"])
@@ -212,6 +217,21 @@ def check_without_backend_flag():
 def test_cp2_models_without_the_attention_backend_flag(ranks):
     results = ranks(2).run(check_without_backend_flag, timeout=TIMEOUT_S)
     assert all(len(r) == 2 for r in results), results
+
+
+def check_base_models():
+    """Base models (no head: the wrapped model returns this rank's shard of the hidden states):
+    EuroBERT, a bidirectional encoder; Qwen2-VL's text model on packed rows (3-D rotary positions
+    from 2-D position ids); Mistral 4's MoE text model. Their hidden states gathered over cp equal
+    the unwrapped model's; a fixed probe of them is the loss (check_cp). With a pipeline a base
+    model is refused (its step has no batch to shard), naming it: check_all_to_all_at("cp2xpp2")."""
+    return {"eurobert": check_cp("eurobert"), "qwen2_vl_text packed": check_cp("qwen2_vl_text", packed=True),
+            "mistral4": check_cp("mistral4")}
+
+
+def test_cp2_base_models(ranks):
+    results = ranks(2).run(check_base_models, timeout=TIMEOUT_S)
+    assert all(len(r) == 3 for r in results), results
 
 
 def check_own_positions():

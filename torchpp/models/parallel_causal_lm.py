@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from torchpp import tensor_parallel as tp
 from torchpp.models.autograd_walk import walk_back
-from torchpp.models.parallel_model import ParallelMixin
+from torchpp.models.parallel_model import ParallelMixin, sharded_call_inputs
 from torchpp.models.plans import text_config
 from torchpp.models.traced_forward import model_device, trace_tokens, traced_forward
 
@@ -115,16 +115,10 @@ class ParallelCausalLM(ParallelMixin):
             return super().__call__(*args, **kwargs)
         # Every cp rank holds the full batch: run on this rank's shard of the sequence. The logits
         # stay sharded (torchpp.context_parallel.unshard_sequence gathers them); the loss is the batch's.
-        if args:
-            raise TypeError("torchpp: a context-parallel model takes its inputs by keyword (input_ids=..., labels=...)")
         from torchpp.context_parallel.hf import shard_batch
 
-        if kwargs.get("use_cache"):
-            raise ValueError("torchpp: a context-parallel model holds a shard of each sequence and keeps no key/value "
-                             "cache; call it with use_cache=False (the default under cp)")
-        kwargs["use_cache"] = False  # as training runs it: transformers then honours packed position ids too
-        batch = {k: kwargs.pop(k, None) for k in ("input_ids", "inputs_embeds", "labels", "shift_labels",
-                                                  "position_ids", "attention_mask")}
+        batch = sharded_call_inputs(args, kwargs, ("input_ids", "inputs_embeds", "labels", "shift_labels",
+                                                   "position_ids", "attention_mask"))
         if not self.loss_shifts_labels and batch["labels"] is not None:
             return self._per_token_loss_call(cp, batch, kwargs)
         out = super().__call__(**shard_batch(cp, **batch), **kwargs)

@@ -4,6 +4,8 @@ torchpp.models.parallel_causal_lm), as FSDP2's fully_shard does, so isinstance, 
 the names stay; it adds ``step``, the gradients' completion and full state dicts."""
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -120,14 +122,41 @@ class ParallelMixin:
 
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_use_cache(cls: type) -> bool:
+    return "use_cache" in inspect.signature(cls.forward).parameters
+
+
+def sharded_call_inputs(args: tuple, kwargs: dict, keys: Tuple[str, ...], no_cache: bool = True) -> dict:
+    """The batch a context-parallel model's call shards (``keys`` popped from ``kwargs``), its
+    inputs checked: by keyword, and no key/value cache (``no_cache``: ask the model for none)."""
+    if args:
+        raise TypeError("torchpp: a context-parallel model takes its inputs by keyword (input_ids=..., labels=...)")
+    if kwargs.get("use_cache"):
+        raise ValueError("torchpp: a context-parallel model holds a shard of each sequence and keeps no key/value "
+                         "cache; call it with use_cache=False (the default under cp)")
+    if no_cache:
+        kwargs["use_cache"] = False  # as training runs it: transformers then honours packed position ids too
+    return {k: kwargs.pop(k, None) for k in keys}
+
+
 class ParallelModule(ParallelMixin):
-    """Any other module under ``parallelize``: its own forward (pp=1) plus ``step``."""
+    """Any other module under ``parallelize``: its own forward (pp=1) plus ``step``. A transformers
+    base model under cp runs on this rank's shard of the sequence and returns its shard of the
+    hidden states (``torchpp.context_parallel.unshard_sequence`` gathers them)."""
 
     loss_fn = None
 
     def __call__(self, *args, **kwargs):
         self._check_pipelined("calling the model")
-        return super().__call__(*args, **kwargs)
+        cp = getattr(self, "context_parallel", None)
+        if cp is None:
+            return super().__call__(*args, **kwargs)
+        from torchpp.context_parallel.hf import shard_batch
+
+        batch = sharded_call_inputs(args, kwargs, ("input_ids", "inputs_embeds", "position_ids", "attention_mask"),
+                                    no_cache=_takes_use_cache(type(self)))
+        return super().__call__(**shard_batch(cp, **batch), **kwargs)
 
     def step(self, *args, target=None, losses: Optional[list] = None, **kwargs):
         """Forward and backward of one batch with ``parallelize``'s ``loss_fn(output, target)``;

@@ -157,6 +157,10 @@ class _Probe(nn.Module):
         return (hidden.double() * self.direction).sum(-1).pow(2).mean()
 
 
+def _hidden_states(out) -> torch.Tensor:
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
 def _is_causal_lm(model: nn.Module) -> bool:
     return model.get_output_embeddings() is not None
 
@@ -169,7 +173,7 @@ def _reference(model: nn.Module, ids, labels):
         loss, output = out.loss, out.logits
     else:
         out = model(input_ids=ids, use_cache=False)
-        output = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        output = _hidden_states(out)
         loss = _Probe(output.size(-1), output.device)(output)
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
@@ -362,6 +366,16 @@ def check_cp(model_type: str, cp: int = 2, *, tp: int = 1, pp: int = 1, dp: int 
                          recompute, sequence_parallel, zero, plan, config or {}, all_to_all_size, compiled, **extra)
 
 
+def _cp_reference_forward(reference: nn.Module, probe: Optional[nn.Module], ids, labels, positions):
+    """(loss or None, logits, output type) of a causal LM; (probe loss, hidden states, output type) of a base model."""
+    if probe is None:
+        out = reference(input_ids=ids, labels=labels, use_cache=False, position_ids=positions)
+        return getattr(out, "loss", None), getattr(out, "logits", None), type(out).__name__
+    out = reference(input_ids=ids, use_cache=False, position_ids=positions)
+    hidden = _hidden_states(out)
+    return probe(hidden), hidden, type(out).__name__
+
+
 def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, mode, layout, seq_len, recompute,
               sequence_parallel, zero, plan, config, all_to_all_size, compiled, **extra) -> str:
     from torchpp.context_parallel import unshard_sequence
@@ -378,17 +392,22 @@ def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, 
     ids, labels = (t.to(state.device) for t in batch(model.config.get_text_config().vocab_size, seq_len=seq_len))
     positions = packed_positions(ids.size(0), seq_len).to(state.device) if packed else None
     reference.loss_function = exact_causal_lm_loss
+    causal = _is_causal_lm(model)
+    if not causal and pp > 1:
+        raise NotImplementedError(f"check_cp compares a base model ({model_type}) at pp=1 only, got pp={pp}")
+    probe = None if causal else _Probe(model.config.get_text_config().hidden_size, state.device)
     replicas = [slice(d * ids.size(0) // dp, (d + 1) * ids.size(0) // dp) for d in range(dp)]
-    outs = [reference(input_ids=ids[rows], labels=labels[rows], use_cache=False,
-                      position_ids=None if positions is None else positions[rows]) for rows in replicas]
-    if getattr(outs[0], "loss", None) is None:
+    # (loss, logits) of each replica's rows; a base model's: the probe of its hidden states, and those
+    outs = [_cp_reference_forward(reference, probe, ids[rows], labels[rows],
+                                  None if positions is None else positions[rows]) for rows in replicas]
+    if outs[0][0] is None:
         raise NotImplementedError(f"check_cp compares causal LMs' losses: {model_type}'s forward returns no loss "
-                                  f"({type(outs[0]).__name__})")
-    (sum(out.loss for out in outs) / dp).backward()
+                                  f"({outs[0][2]})")
+    (sum(loss for loss, _, _ in outs) / dp).backward()
     mine = replicas[state.dp_rank]
     ids, labels = ids[mine], labels[mine]
     positions = None if positions is None else positions[mine]
-    ref_loss, ref_logits = outs[state.dp_rank].loss.detach(), outs[state.dp_rank].logits.detach()
+    ref_loss, ref_logits = outs[state.dp_rank][0].detach(), outs[state.dp_rank][1].detach()
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False) if p.grad is not None}
     _sgd(reference.parameters())
     wrapped = parallelize(model, schedule=schedule, n_microbatches=n_microbatches, state=state, cp_mode=mode,
@@ -404,7 +423,13 @@ def _check_cp(model_type, cp, tp, pp, dp, ep, schedule, n_microbatches, packed, 
     mode_name = mode if all_to_all_size is None else f"{mode} (all-to-all groups of {all_to_all_size})"
     what = f"{model_type} cp={cp} tp={tp} pp={pp} dp={dp} ep={ep}{' ' + schedule if pp > 1 else ''} {mode_name} {layout}" + \
         (" packed" if packed else "") + (f" compiled{' layers' if compiled == 'layers' else ''}" if compiled else "")
-    if pp == 1:
+    if pp == 1 and probe is not None:  # every rank takes the probe of the whole sequence's hidden states
+        out = wrapped(input_ids=ids, position_ids=positions, use_cache=False)
+        hidden = unshard_sequence(_hidden_states(out), state.cp_group, dim=1, layout=layout)
+        loss = probe(hidden)  # (the gather's backward keeps this rank's tokens' part: summed over cp, the whole)
+        assert_close(hidden, ref_logits, f"{what} hidden states")
+        loss.backward()
+    elif pp == 1:
         out = wrapped(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
         loss = out.loss
         assert_close(unshard_sequence(out.logits, state.cp_group, dim=1, layout=layout), ref_logits, f"{what} logits")

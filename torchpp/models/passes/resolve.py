@@ -74,7 +74,7 @@ def apply_plans(model: nn.Module, state: WrapState, config: ParallelConfig) -> n
         from torchpp.models.parallel_causal_lm import model_shifts_labels
 
         state.loss_shifts_labels = model_shifts_labels(model)
-    if ps.cp > 1 and state.causal_lm:  # on the whole model: every pipeline rank refuses alike, before the cut
+    if ps.cp > 1 and state.hf:  # on the whole model: every pipeline rank refuses alike, before the cut
         from torchpp.context_parallel.hf_support import check_model
 
         state.cp_positions = check_model(model, ps.cp, state.layout.layers if state.layout is not None else None)
@@ -154,9 +154,12 @@ def _check_features(model: nn.Module, state: WrapState, config: ParallelConfig) 
     ps, name = state.parallel, type(model).__name__
     if getattr(text_config(model), "output_router_logits", False):
         check_aux_loss(ps, config.tensor.sequence_parallel)
-    if ps.cp > 1 and not state.causal_lm:
-        raise PlanError(f"torchpp.parallelize: cp={ps.cp} shards the sequence of a transformers causal LM; "
+    if ps.cp > 1 and not state.hf:
+        raise PlanError(f"torchpp.parallelize: cp={ps.cp} shards the sequence of a transformers model; "
                         f"{name} is not one (use torchpp.context_parallel's ops in your own model)")
+    if ps.cp > 1 and ps.pp > 1 and not state.causal_lm:
+        raise PlanError(f"torchpp.parallelize: cp={ps.cp} with pp={ps.pp} needs a transformers causal LM, whose "
+                        f"step shards the batch and its targets; {name} is a base model (at pp=1 it takes cp)")
     if config.tensor.vocab_parallel_logits and not state.causal_lm:
         raise ValueError("torchpp.parallelize: vocab_parallel_logits=True needs a transformers causal LM")
     if ps.pp > 1 and state.layout is None:
