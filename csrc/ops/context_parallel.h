@@ -42,7 +42,9 @@ struct Shapes {
   int64_t pieces = 0, piece_len = 0;  // chunks per rank and their length
   double scale = 0.0;
   at::ScalarType acc_dtype;  // float for half/bfloat16 inputs, else the input dtype
-  int64_t window = 0;  // sliding window: query i sees keys j with i - window < j (0: every earlier key)
+  // sliding window: query i sees keys j with i - window < j (0: every earlier key); without causality,
+  // |i - j| < window
+  int64_t window = 0;
   double softcap = 0.0;  // scores capped to softcap * tanh(s / softcap) (0: none); the matmul path alone
   // ALiBi: slope_h * (key position - query position) added to head h's scores, as [1, hk, g, 1, 1]
   // in the accumulation dtype (undefined: none); the matmul path alone.
@@ -69,14 +71,15 @@ struct BlockMask {
   // A sliding window cutting through the block (allowed then undefined): computed as a band of
   // query tiles window long, each against the keys its window reaches, so no [sq, sk] scores.
   int64_t window = 0;
+  bool window_ahead = false;  // bidirectional attention's window: keys ahead too, |i - j| < window
   int64_t q_start = 0, k_start = 0;  // global positions of the block's first query and key (ALiBi's bias)
   at::Tensor q_segments, k_segments;  // [b, sq], [b, sk] of packed rows, or undefined
 };
 
 // Mask for query positions [q_start, q_start + sq) against keys [k_start, k_start + sk) of the
 // global sequence; segment ids ([b, sq], [b, sk], may be undefined) keep packed sequences apart;
-// a sliding window (> 0, causal only) hides keys window or more positions back (a block wholly
-// behind it is skipped).
+// a sliding window (> 0) hides keys window or more positions back, and without causality as
+// many ahead (a block wholly beyond it is skipped).
 BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, bool causal, int64_t window,
                      const at::Tensor& q_segments, const at::Tensor& k_segments, c10::Device device);
 

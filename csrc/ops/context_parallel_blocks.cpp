@@ -55,8 +55,6 @@ Shapes check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               ": query, key and value must be on one device");
   TORCH_CHECK(group_size > 0, "torchpp.", op_name, ": group_size must be positive, got ", group_size);
   TORCH_CHECK(window >= 0, "torchpp.", op_name, ": window must be positive (0: none), got ", window);
-  TORCH_CHECK(window == 0 || causal, "torchpp.", op_name, ": a sliding window (window=", window,
-              ") applies to causal attention; got causal=False");
   Shapes shapes;
   shapes.batch = q.size(0);
   shapes.q_heads = q.size(1);
@@ -138,19 +136,23 @@ BlockMask block_mask(int64_t q_start, int64_t sq, int64_t k_start, int64_t sk, b
   mask.q_start = q_start;
   mask.k_start = k_start;
   const int64_t q_last = q_start + sq - 1, k_last = k_start + sk - 1;
-  if ((causal && k_start > q_last) || (window > 0 && q_start - k_last >= window)) {
-    mask.skip = true;  // every key lies after every query, or behind every query's window
+  const bool windowed_ahead = window > 0 && !causal;  // bidirectional: the window reaches ahead as far as behind
+  if ((causal && k_start > q_last) || (window > 0 && q_start - k_last >= window) ||
+      (windowed_ahead && k_start - q_last >= window)) {
+    mask.skip = true;  // every key lies after every query, or beyond every query's window
     return mask;
   }
   const bool packed = q_segments.defined() && k_segments.defined();
   const bool partly_after = causal && k_last > q_start;  // some key lies after some query
   const bool partly_behind = window > 0 && q_last - k_start >= window;  // some key behind some query's window
+  const bool partly_ahead = windowed_ahead && k_last - q_start >= window;  // some key beyond it ahead
   if (partly_after && !partly_behind && !packed && q_start == k_start && sq == sk) {
     mask.causal = true;  // the diagonal block: the kernels' causal mask, no tensor
     return mask;
   }
-  if (partly_behind) {  // the band: tiles build their own masks
+  if (partly_behind || partly_ahead) {  // the band: tiles build their own masks
     mask.window = window;
+    mask.window_ahead = windowed_ahead;
     mask.q_segments = packed ? q_segments : at::Tensor();
     mask.k_segments = packed ? k_segments : at::Tensor();
     return mask;
@@ -240,7 +242,7 @@ void matmul_block_backward(const at::Tensor& q_in, const at::Tensor& k_in, const
 }
 
 // One query tile of a band: its rows [r0, r1) of the block, the keys [c0, c1) its window reaches
-// (causal: none after its last query), and their mask.
+// (causal: none after its last query; bidirectional: as far ahead as behind), and their mask.
 struct Tile {
   int64_t r0, r1, c0, c1;
   BlockMask mask;
@@ -248,10 +250,10 @@ struct Tile {
 
 std::vector<Tile> band_tiles(const BlockMask& band, int64_t sq, int64_t sk, c10::Device device) {
   std::vector<Tile> tiles;
-  const int64_t w = band.window;
+  const int64_t w = band.window, ahead = band.window_ahead ? w - 1 : 0;
   for (int64_t r0 = 0; r0 < sq; r0 += w) {
     const int64_t r1 = std::min(sq, r0 + w);
-    const int64_t first = band.q_start + r0 - w + 1, last = band.q_start + r1 - 1;  // global key range seen
+    const int64_t first = band.q_start + r0 - w + 1, last = band.q_start + r1 - 1 + ahead;  // global key range seen
     const int64_t c0 = std::max<int64_t>(0, first - band.k_start), c1 = std::min(sk, last - band.k_start + 1);
     if (c0 >= c1) {
       continue;  // the tile's windows miss the block
@@ -262,7 +264,9 @@ std::vector<Tile> band_tiles(const BlockMask& band, int64_t sq, int64_t sk, c10:
     BlockMask mask;
     mask.q_start = band.q_start + r0;
     mask.k_start = band.k_start + c0;
-    mask.allowed = k_pos.le(q_pos).logical_and_(q_pos.sub(k_pos).lt(w)).view({1, 1, 1, r1 - r0, c1 - c0});
+    auto distance = q_pos.sub(k_pos);
+    mask.allowed = (band.window_ahead ? distance.abs().lt(w) : k_pos.le(q_pos).logical_and_(distance.lt(w)))
+                       .view({1, 1, 1, r1 - r0, c1 - c0});
     if (band.q_segments.defined()) {
       const int64_t b = band.q_segments.size(0);
       auto q_seg = band.q_segments.narrow(1, r0, r1 - r0).reshape({b, 1, 1, r1 - r0, 1});

@@ -3,7 +3,7 @@ all_to_all_attention / all_to_all_ring_attention) on spawned gloo ranks: each ra
 gradients equal its shard of full-sequence SDPA (fp64, 1e-10), at cp=2 and cp=4, causal and full, the four
 modes (the all-to-all's key/value heads repeated where c does not divide them: 2 and 1 heads at cp=4;
 hierarchical: all-to-all groups of 2, the ring across 1 or 2 of them), both layouts, grouped-query
-attention and packed sequences, sliding windows, attention sinks and capped scores (against the
+attention and packed sequences, sliding windows (causal, and bidirectional: |i - j| < window), attention sinks and capped scores (against the
 softmax written out, the sinks' gradient summed over the ranks); bad lengths, layouts and modes
 raise naming the values. Blocks run on the CPU flash kernel (which returns the log-sum-exp) except
 where a mask it cannot take applies (packed sequences) or scores are capped: matmul + softmax;
@@ -78,8 +78,9 @@ def _reference(q, k, v, grad, causal, segments, window=None, sinks=None, softcap
     s = q.size(2)
     position = torch.arange(s)
     allowed = position[None, :] <= position[:, None] if causal else torch.ones(s, s, dtype=torch.bool)
-    if window is not None:
-        allowed = allowed & (position[:, None] - position[None, :] < window)
+    if window is not None:  # (without causality the window reaches ahead as far: |i - j| < window)
+        distance = position[:, None] - position[None, :]
+        allowed = allowed & ((distance if causal else distance.abs()) < window)
     allowed = allowed if mask is None else mask & allowed
     groups = q.size(1) // k.size(1)
     keys, values = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -172,6 +173,14 @@ def check_all_cases(seq_len, device=torch.device("cpu"), dtype=torch.float64):
                     dtype=dtype, window=chunk + 1, sinks=True)
         _check_case(seq_len, kv_heads=2, mode=mode, layout="zigzag", causal=False, packed=False, device=device,
                     dtype=dtype, sinks=True)
+    # Bidirectional windows (|i - j| < window: EmbeddingGemma2's), cutting through blocks ahead too,
+    # and skipping those wholly beyond; on packed rows with sinks.
+    for mode, layout, window in itertools.product(MODES, ("zigzag", "contiguous"), (max(chunk - 1, 1), 2 * chunk + 1)):
+        _check_case(seq_len, kv_heads=2, mode=mode, layout=layout, causal=False, packed=False, device=device,
+                    dtype=dtype, window=window)
+    for mode in MODES:
+        _check_case(seq_len, kv_heads=1, mode=mode, layout="zigzag", causal=False, packed=True, device=device,
+                    dtype=dtype, window=chunk + 1, sinks=True)
     # Capped scores (a cap of 1 bends these scores, about N(0, 1), markedly): causal and full, with a
     # window and sinks, on packed rows.
     for mode, layout, causal in itertools.product(MODES, ("zigzag", "contiguous"), (True, False)):
@@ -296,8 +305,6 @@ def check_errors():
         attention(q4, q4, q4, group, softcap=-1.0)
     with pytest.raises(RuntimeError, match="softcap must be positive and finite .* got inf"):
         attention(q4, q4, q4, group, softcap=float("inf"))
-    with pytest.raises(RuntimeError, match=r"a sliding window \(window=3\) applies to causal attention"):
-        attention(q4, q4, q4, group, causal=False, window=3)
     for mode in MODES:
         with pytest.raises(RuntimeError, match=r"sinks must hold one logit per query head, \[2\], got \[3\]"):
             attention(q4, q4, q4, _group_of(mode, group), mode=mode, sinks=torch.zeros(3))

@@ -224,14 +224,24 @@ def check_base_models():
     EuroBERT, a bidirectional encoder; Qwen2-VL's text model on packed rows (3-D rotary positions
     from 2-D position ids); Mistral 4's MoE text model. Their hidden states gathered over cp equal
     the unwrapped model's; a fixed probe of them is the loss (check_cp). With a pipeline a base
-    model is refused (its step has no batch to shard), naming it: check_all_to_all_at("cp2xpp2")."""
-    return {"eurobert": check_cp("eurobert"), "qwen2_vl_text packed": check_cp("qwen2_vl_text", packed=True),
-            "mistral4": check_cp("mistral4")}
+    model is refused (its step has no batch to shard), naming it: check_all_to_all_at("cp2xpp2").
+    EmbeddingGemma2's bidirectional sliding windows (|i - j| <= config.sliding_window, as its mask
+    has them, though it hands its attention function one more); T5Gemma2's encoder masks an
+    asymmetric window of its own: refused, naming it. Mistral Large 4's text model: sparse indexed
+    attention whose indexer rotates interleaved and scales its queries by position (its keys gathered)."""
+    done = {"eurobert": check_cp("eurobert"), "qwen2_vl_text packed": check_cp("qwen2_vl_text", packed=True),
+            "mistral4": check_cp("mistral4"), "embedding_gemma2_text": check_cp("embedding_gemma2_text"),
+            "mistral_large4_text": check_cp("mistral_large4_text")}
+    torchpp.destroy_parallel()
+    with pytest.raises(NotImplementedError, match=r"T5Gemma2SelfAttention asks for a sliding window 8 on bidirectional "
+                                                  r"attention whose mask its model builds itself"):
+        check_cp("t5gemma2_text")
+    return done
 
 
 def test_cp2_base_models(ranks):
     results = ranks(2).run(check_base_models, timeout=TIMEOUT_S)
-    assert all(len(r) == 3 for r in results), results
+    assert all(len(r) == 5 for r in results), results
 
 
 def check_own_positions():

@@ -178,9 +178,10 @@ def attention(
         layout: how the sequence was sharded: "zigzag" or "contiguous".
         segment_ids: [b, s_local] integer ids of this rank's tokens; tokens attend only to tokens
             of the same id (packed sequences). None: one sequence per row.
-        window: a sliding window (causal only): token i sees tokens j with i - window < j, as
-            transformers' sliding-window layers (Mistral, Gemma 3, GPT-OSS). Blocks wholly behind
-            every query's window are skipped. None: every earlier token.
+        window: a sliding window: token i sees tokens j with i - window < j, as transformers'
+            sliding-window layers (Mistral, Gemma 3, GPT-OSS); without ``causal``, those with
+            |i - j| < window (EmbeddingGemma2's, Ultrabert's). Blocks wholly beyond every query's
+            window are skipped. None: every earlier token (every token, without ``causal``).
         sinks: [heads] attention sinks (GPT-OSS): one learned logit per head added to each
             softmax's denominator, attending to nothing; they get their gradient.
         softcap: scores capped to ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2's

@@ -41,8 +41,9 @@ from torchpp.context_parallel.rg_lru import apply_rg_lru
 from torchpp.context_parallel.mlstm import apply_mlstm
 from torchpp.context_parallel.rwkv import apply_rwkv
 from torchpp.context_parallel.selective_scan import apply_selective_scan
-from torchpp.context_parallel.hf_support import (AttentionCalls, attends_over_depth, attention_configs, check_call,
-                                                layer_type, mark_cross_attention, masked_causally)
+from torchpp.context_parallel.hf_support import (AttentionCalls, attends_over_depth, attention_configs,
+                                                bidirectional_window, check_call, layer_type, mark_cross_attention,
+                                                masked_causally)
 
 IGNORE_INDEX = -100
 ATTENTION_NAME = "torchpp_cp"
@@ -286,6 +287,8 @@ def _attention(module: nn.Module, query, key, value, attention_mask, dropout: fl
     segments = _segment_ids(cp, position_ids, query.size(2))
     if layer_type(module) == "chunked_attention":
         segments = _chunk_ids(cp, segments, position_ids, query, module.config.attention_chunk_size)
+    if sliding_window is not None and not causal:  # (the model's mask's window, not the one it passes)
+        sliding_window = bidirectional_window(module)
     out = attention(query, key, value, cp.attention_group, causal=causal, scale=scaling, mode=cp.mode,
                     layout=cp.layout, segment_ids=segments, window=sliding_window, sinks=s_aux, softcap=softcap,
                     alibi_slopes=alibi_slopes)

@@ -188,10 +188,26 @@ def check_call(module: nn.Module, query, key, attention_mask, dropout, sliding_w
         what = UNSHARDED_MASKS[kind]
         raise NotImplementedError(f"{PREFIX}: {name} (layer type {kind!r}) uses {what}, which sharded attention "
                                   f"does not implement")
-    if sliding_window is not None and not (causal and isinstance(sliding_window, int)):
-        raise NotImplementedError(f"{PREFIX}: {name} asks for a sliding window {sliding_window!r} on "
-                                  f"{'causal' if causal else 'bidirectional'} attention; sharded attention slides a "
-                                  f"window of one int over causal attention only")
+    if sliding_window is not None and not isinstance(sliding_window, int):
+        raise NotImplementedError(f"{PREFIX}: {name} asks for a sliding window {sliding_window!r}; sharded attention "
+                                  f"slides a window of one int")
+    if sliding_window is not None and not causal and bidirectional_window(module) is None:
+        raise NotImplementedError(f"{PREFIX}: {name} asks for a sliding window {sliding_window} on bidirectional "
+                                  f"attention whose mask its model builds itself (not with transformers' "
+                                  f"create_bidirectional_sliding_window_mask): sharded attention slides symmetric "
+                                  f"windows, |i - j| <= config.sliding_window, alone")
+
+
+def bidirectional_window(module: nn.Module) -> Optional[int]:
+    """The window (``attention``'s: |i - j| < window) of a bidirectional sliding-window layer whose
+    model masks it with transformers' create_bidirectional_sliding_window_mask (|i - j| <=
+    config.sliding_window, whatever value the module hands its attention function: EmbeddingGemma2
+    and Ultrabert pass config.sliding_window + 1, T5Gemma the value itself), or None."""
+    modeling = sys.modules.get(type(module).__module__)
+    sliding = getattr(getattr(module, "config", None), "sliding_window", None)
+    if not isinstance(sliding, int) or not hasattr(modeling, "create_bidirectional_sliding_window_mask"):
+        return None
+    return sliding + 1
 
 
 # Layer kinds (a config's layer_types entry, or a block's block_type) that mix no tokens: an MLP or

@@ -42,6 +42,8 @@ INDEXERS: Dict[str, bool] = {
     "modeling_deepseek_v32.DeepseekV32Indexer": False,
     "modeling_glm_moe_dsa.GlmMoeDsaIndexer": False,
     "modeling_hy_v4.HYV4Indexer": False,
+    "modeling_hy_v4_vl.HYV4VLIndexer": False,
+    "modeling_mistral_large4.MistralLarge4TextIndexer": False,
     "modeling_axk2.AXK2Indexer": False,
     "modeling_dots3_note.Dots3NoteTextIndexer": False,
     "modeling_qwen4_exp.Qwen4ExpTextQSAIndexer": True,
