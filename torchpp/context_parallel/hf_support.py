@@ -219,7 +219,8 @@ class AttentionCalls:
     """Counts a model's sharded sequence-mixing calls (attention, short convolutions with halos,
     delta-rule and Mamba scans), so that each layer of its stack can be checked to have made one.
     Compiled code counts nothing: a count read there becomes a guard on its value, recompiling the
-    layer at every call. Its layers are checked in eager forwards."""
+    layer at every call. So layers are judged in eager forwards, until a call is made in compiled
+    code (whose calls the count would miss)."""
 
     def __init__(self):
         self.count = 0
