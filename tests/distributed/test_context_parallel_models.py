@@ -32,7 +32,8 @@ import torch
 
 import torchpp
 from torchpp.models import parallelize
-from torchpp.testing.model_checks import SEQ, assert_close, batch, check_cp, packed_positions, precision
+from torchpp.testing.model_checks import (SEQ, assert_close, batch, check_cp, decoder_layers, packed_positions,
+                                         precision)
 from torchpp.testing.tiny_models import tiny_model
 
 TIMEOUT_S = 300
@@ -167,7 +168,7 @@ def check_compiled_layers_follow_each_batch():
         ids, _ = batch(model.config.vocab_size, seq_len=SEQ)
         wrapped = parallelize(model, state=state)
         torch._dynamo.reset()
-        for layer in (m for m in wrapped.modules() if type(m).__name__ in wrapped._no_split_modules):
+        for layer in decoder_layers(wrapped):
             layer.compile(backend="aot_eager", fullgraph=True)
         packed = packed_positions(ids.size(0), SEQ)
         counting = torch.arange(SEQ).expand(ids.size(0), -1)

@@ -324,14 +324,19 @@ def packed_positions(batch_size: int, seq_len: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def decoder_layers(model: nn.Module) -> list:
+    """A transformers model's layers (this rank's), found by its ``_no_split_modules`` class names."""
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
+    if not layers:
+        raise ValueError(f"no layers of {type(model).__name__}'s _no_split_modules")
+    return layers
+
+
 def _compile(wrapped: nn.Module, per_layer: bool) -> None:
     if not per_layer:
         wrapped.forward = torch.compile(wrapped.forward, backend="aot_eager")
         return
-    layers = [m for m in wrapped.modules() if type(m).__name__ in (wrapped._no_split_modules or ())]
-    if not layers:
-        raise ValueError(f"compiled='layers' finds no layers of {type(wrapped).__name__}'s _no_split_modules")
-    for layer in layers:
+    for layer in decoder_layers(wrapped):
         # (not fullgraph: a break in a hook's own frame would pass it, falling back to eager there)
         layer.compile(backend="aot_eager")
     torch._dynamo.utils.counters.clear()
